@@ -1,0 +1,1186 @@
+//! Configuration: one TOML file for the whole stack.
+//!
+//! kvctld reads `[control]`, `[limits]` and `[deadlines]`; prefilld reads `[prefill]`;
+//! decoded reads `[decode]`; all of them read `[geometry]`, so that every process agrees on
+//! what a page is. `kvfence.example.toml` next to this crate's `Cargo.toml` documents every
+//! key; a test parses and validates it.
+//!
+//! Parsing is strict (`deny_unknown_fields` everywhere, so a misspelt key is an error, not a
+//! silently ignored setting), and [`Config::validate`] refuses to start a stack that could
+//! never serve a request of the configured maximum size. In particular a prompt of
+//! `max_context` tokens must fit in the prefill pool, and `max_context + max_new_tokens` must
+//! fit in the decode pool: a deployment whose context window was larger than its KV pool made
+//! the scheduler take a rarely exercised rejection path that ended up reading other tenants'
+//! stale pages. That configuration is refused here, before any daemon starts.
+
+use std::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::geometry::{Dtype, PageGeometry};
+
+/// Default path of kvctld's control socket.
+pub const DEFAULT_SOCKET: &str = "/run/kvfence/kvctld.sock";
+/// Longest accepted socket path, in bytes. `sun_path` holds 108 bytes including the NUL;
+/// the margin leaves room for a temporary suffix during an atomic rebind.
+pub const MAX_SOCKET_PATH_BYTES: usize = 100;
+/// Most entries in `control.allowed_uids` and in `control.allowed_gids`.
+pub const MAX_ALLOWED_IDS: usize = 64;
+/// Largest accepted `control.admission_queue`.
+pub const MAX_ADMISSION_QUEUE: u32 = 1 << 20;
+/// Largest accepted pool, in bytes (1 TiB).
+pub const MAX_POOL_BYTES: u64 = 1 << 40;
+/// Largest accepted page, in bytes (1 GiB); the same bound as [`PageGeometry::is_valid`].
+pub const MAX_PAGE_BYTES: u64 = 1 << 30;
+/// Longest accepted deadline, in milliseconds (one hour).
+pub const MAX_DEADLINE_MS: u32 = 3_600_000;
+
+/// Which worker pool a setting or an error is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Side {
+    Prefill,
+    Decode,
+}
+
+impl Side {
+    /// The configuration expression that sets how many tokens this side must hold.
+    fn demand(self) -> &'static str {
+        match self {
+            Side::Prefill => "max_context",
+            Side::Decode => "max_context + max_new_tokens",
+        }
+    }
+
+    /// What the operator can change when the pool is too small.
+    fn remedy(self) -> &'static str {
+        match self {
+            Side::Prefill => "enlarge [prefill] pool_pages or lower limits.max_context",
+            Side::Decode => {
+                "enlarge [decode] pool_pages or lower limits.max_context or limits.max_new_tokens"
+            }
+        }
+    }
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Side::Prefill => "prefill",
+            Side::Decode => "decode",
+        })
+    }
+}
+
+/// Why a configuration was not loaded. Every variant means "do not start"; the binary prints
+/// the whole chain once and exits.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read configuration file {}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+
+    #[error("cannot parse configuration{}", in_file(path.as_deref()))]
+    Parse {
+        path: Option<PathBuf>,
+        #[source]
+        source: Box<toml::de::Error>,
+    },
+
+    #[error(
+        "invalid page geometry {} tokens x {} layers x 2 (K, V) x {} kv_heads x {} head_dim x {} bytes ({:?}): \
+         every dimension must be at least 1 and a page at most {MAX_PAGE_BYTES} bytes (1 GiB)",
+        geometry.tokens_per_page, geometry.layers, geometry.kv_heads, geometry.head_dim,
+        geometry.dtype.size(), geometry.dtype
+    )]
+    InvalidGeometry { geometry: PageGeometry },
+
+    #[error("limits.{key} is 0; it must be at least 1 token")]
+    ZeroLimit { key: &'static str },
+
+    #[error(
+        "{side} pool holds {pool_tokens} tokens ({pool_pages} pages of {tokens_per_page}) \
+         but {} is {needed_tokens} tokens ({needed_pages} pages): a request this long could \
+         never be admitted; {}",
+        side.demand(), side.remedy()
+    )]
+    ContextExceedsPool {
+        side: Side,
+        needed_tokens: u64,
+        needed_pages: u64,
+        pool_tokens: u64,
+        pool_pages: u32,
+        tokens_per_page: u32,
+    },
+
+    #[error(
+        "{side} pool of {pool_pages} pages of {bytes_per_page} bytes is {pool_bytes} bytes, \
+         above the limit of {MAX_POOL_BYTES} bytes (1 TiB)"
+    )]
+    PoolTooLarge {
+        side: Side,
+        pool_pages: u32,
+        bytes_per_page: u64,
+        /// Exact product; u128 so that it cannot overflow.
+        pool_bytes: u128,
+    },
+
+    #[error("deadlines.{key} is {ms} ms; it must be between 1 and {MAX_DEADLINE_MS} ms")]
+    DeadlineOutOfRange { key: &'static str, ms: u32 },
+
+    #[error(
+        "deadlines.request is {request_ms} ms, shorter than deadlines.bootstrap + \
+         deadlines.transfer = {bootstrap_ms} + {transfer_ms} = {} ms: no request could finish \
+         its KV transfer before its own deadline",
+        u64::from(*bootstrap_ms) + u64::from(*transfer_ms)
+    )]
+    RequestDeadlineTooShort {
+        request_ms: u32,
+        bootstrap_ms: u32,
+        transfer_ms: u32,
+    },
+
+    #[error("control.{key} has {count} entries; at most {MAX_ALLOWED_IDS} are allowed")]
+    TooManyIds { key: &'static str, count: usize },
+
+    #[error("control.admission_queue is {queued}; at most {MAX_ADMISSION_QUEUE} is allowed")]
+    AdmissionQueueTooLong { queued: u32 },
+
+    #[error("control.socket is empty; it must be an absolute path")]
+    SocketPathEmpty,
+
+    #[error("control.socket {} is relative; it must be an absolute path", path.display())]
+    SocketPathRelative { path: PathBuf },
+
+    #[error(
+        "control.socket {} is {len} bytes long; at most {MAX_SOCKET_PATH_BYTES} bytes fit in sun_path",
+        path.display()
+    )]
+    SocketPathTooLong { path: PathBuf, len: usize },
+}
+
+fn in_file(path: Option<&Path>) -> String {
+    path.map(|p| format!(" file {}", p.display()))
+        .unwrap_or_default()
+}
+
+/// Whole-stack configuration. See the module docs and `kvfence.example.toml`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub geometry: PageGeometry,
+    pub limits: Limits,
+    #[serde(default)]
+    pub control: Control,
+    pub prefill: PoolConfig,
+    pub decode: PoolConfig,
+    #[serde(default)]
+    pub deadlines: Deadlines,
+    #[serde(default)]
+    pub probe: Probe,
+}
+
+/// Request size limits, in tokens. Both are required: there is no safe default.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Limits {
+    /// Longest accepted prompt, in tokens.
+    pub max_context: u32,
+    /// Most tokens one request may generate.
+    pub max_new_tokens: u32,
+}
+
+/// kvctld's control socket and admission settings.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Control {
+    /// Path of the control socket.
+    pub socket: PathBuf,
+    /// Peer uids allowed to connect besides the daemon's own uid and root.
+    pub allowed_uids: Vec<u32>,
+    /// Peer gids allowed to connect.
+    pub allowed_gids: Vec<u32>,
+    /// Most requests queued while waiting for temporary pool capacity.
+    pub admission_queue: u32,
+}
+
+impl Default for Control {
+    fn default() -> Self {
+        Control {
+            socket: PathBuf::from(DEFAULT_SOCKET),
+            allowed_uids: Vec::new(),
+            allowed_gids: Vec::new(),
+            admission_queue: 1024,
+        }
+    }
+}
+
+/// What a worker writes into a page when it is freed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PoisonMode {
+    /// Leave freed pages as they are.
+    #[default]
+    Off,
+    /// Fill freed pages with a recognisable pattern derived from their last owner, so that a
+    /// stale read shows up as that pattern instead of another tenant's data.
+    Owner,
+}
+
+/// Whether a worker zeroes pages.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Scrub {
+    /// Never zero pages.
+    #[default]
+    Off,
+    /// Zero every page when it is freed.
+    OnFree,
+}
+
+/// Where a worker's pool lives.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    /// Host memory (a sealed memfd).
+    #[default]
+    Host,
+    /// Device memory on the CUDA device `cuda_device`.
+    Cuda,
+}
+
+/// One worker's KV pool (`[prefill]` or `[decode]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// Pages in the pool; required.
+    pub pool_pages: u32,
+    #[serde(default)]
+    pub poison: PoisonMode,
+    #[serde(default)]
+    pub scrub: Scrub,
+    #[serde(default)]
+    pub backend: Backend,
+    /// CUDA device ordinal; ignored by the host backend.
+    #[serde(default)]
+    pub cuda_device: u32,
+}
+
+impl PoolConfig {
+    /// Bytes of the pool: `pool_pages * bytes_per_page`. Saturates at `u64::MAX`, which no
+    /// validated configuration reaches (validation caps a pool at [`MAX_POOL_BYTES`]).
+    pub fn pool_bytes(&self, geometry: &PageGeometry) -> u64 {
+        u64::from(self.pool_pages).saturating_mul(geometry.bytes_per_page())
+    }
+
+    /// Token positions the pool can hold.
+    pub fn pool_tokens(&self, geometry: &PageGeometry) -> u64 {
+        geometry.tokens_for_pages(u64::from(self.pool_pages))
+    }
+}
+
+/// Deadlines, in milliseconds. Each must be in `1..=MAX_DEADLINE_MS`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Deadlines {
+    /// Longest a request waits in the admission queue for temporary capacity.
+    pub admission_wait: u32,
+    /// Longest the prefill/decode pair takes to agree on a transfer.
+    pub bootstrap: u32,
+    /// Longest one KV transfer may take.
+    pub transfer: u32,
+    /// Longest decoding may take.
+    pub decode: u32,
+    /// Whole-request deadline; at least `bootstrap + transfer`.
+    pub request: u32,
+    /// Longest a graceful stop waits for requests in flight.
+    pub drain: u32,
+}
+
+impl Default for Deadlines {
+    fn default() -> Self {
+        Deadlines {
+            admission_wait: 2000,
+            bootstrap: 2000,
+            transfer: 5000,
+            decode: 30_000,
+            request: 60_000,
+            drain: 5000,
+        }
+    }
+}
+
+/// [`Deadlines`] as [`Duration`]s.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeadlineDurations {
+    pub admission_wait: Duration,
+    pub bootstrap: Duration,
+    pub transfer: Duration,
+    pub decode: Duration,
+    pub request: Duration,
+    pub drain: Duration,
+}
+
+fn ms(v: u32) -> Duration {
+    Duration::from_millis(u64::from(v))
+}
+
+impl Deadlines {
+    /// Every deadline as a [`Duration`].
+    pub fn as_durations(&self) -> DeadlineDurations {
+        DeadlineDurations {
+            admission_wait: self.admission_wait(),
+            bootstrap: self.bootstrap(),
+            transfer: self.transfer(),
+            decode: self.decode(),
+            request: self.request(),
+            drain: self.drain(),
+        }
+    }
+
+    pub fn admission_wait(&self) -> Duration {
+        ms(self.admission_wait)
+    }
+
+    pub fn bootstrap(&self) -> Duration {
+        ms(self.bootstrap)
+    }
+
+    pub fn transfer(&self) -> Duration {
+        ms(self.transfer)
+    }
+
+    pub fn decode(&self) -> Duration {
+        ms(self.decode)
+    }
+
+    pub fn request(&self) -> Duration {
+        ms(self.request)
+    }
+
+    pub fn drain(&self) -> Duration {
+        ms(self.drain)
+    }
+
+    fn named(&self) -> [(&'static str, u32); 6] {
+        [
+            ("admission_wait", self.admission_wait),
+            ("bootstrap", self.bootstrap),
+            ("transfer", self.transfer),
+            ("decode", self.decode),
+            ("request", self.request),
+            ("drain", self.drain),
+        ]
+    }
+}
+
+/// Periodic health probe.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Probe {
+    /// Seconds between probes; 0 turns probing off.
+    pub interval_s: u32,
+}
+
+impl Probe {
+    /// The probe interval, or `None` when probing is off.
+    pub fn interval(&self) -> Option<Duration> {
+        (self.interval_s > 0).then(|| Duration::from_secs(u64::from(self.interval_s)))
+    }
+}
+
+impl Config {
+    /// Parses `text` as TOML, then validates it.
+    pub fn from_toml_str(text: &str) -> Result<Config, ConfigError> {
+        Self::parse(text, None)
+    }
+
+    /// Reads, parses and validates the file at `path`.
+    pub fn load(path: impl AsRef<Path>) -> Result<Config, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::parse(&text, Some(path))
+    }
+
+    fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
+        let config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.map(Path::to_path_buf),
+            source: Box::new(e),
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// A small, valid stack for the local demo: a tiny bf16 model, 4096-token prompts, host
+    /// pools of 1024 pages (4 MiB each) and short deadlines.
+    pub fn embedded_default(socket: PathBuf) -> Config {
+        Config {
+            geometry: PageGeometry {
+                tokens_per_page: 16,
+                layers: 2,
+                kv_heads: 2,
+                head_dim: 16,
+                dtype: Dtype::Bf16,
+            },
+            limits: Limits {
+                max_context: 4096,
+                max_new_tokens: 256,
+            },
+            control: Control {
+                socket,
+                ..Control::default()
+            },
+            prefill: PoolConfig {
+                pool_pages: 1024,
+                poison: PoisonMode::Owner,
+                scrub: Scrub::Off,
+                backend: Backend::Host,
+                cuda_device: 0,
+            },
+            decode: PoolConfig {
+                pool_pages: 1024,
+                poison: PoisonMode::Owner,
+                scrub: Scrub::Off,
+                backend: Backend::Host,
+                cuda_device: 0,
+            },
+            deadlines: Deadlines {
+                admission_wait: 500,
+                bootstrap: 1000,
+                transfer: 2000,
+                decode: 10_000,
+                request: 15_000,
+                drain: 2000,
+            },
+            probe: Probe::default(),
+        }
+    }
+
+    /// The pool of one side.
+    pub fn pool(&self, side: Side) -> &PoolConfig {
+        match side {
+            Side::Prefill => &self.prefill,
+            Side::Decode => &self.decode,
+        }
+    }
+
+    /// Token positions one request may need on `side`: `max_context` for prefill,
+    /// `max_context + max_new_tokens` for decode.
+    pub fn max_tokens(&self, side: Side) -> u64 {
+        let context = u64::from(self.limits.max_context);
+        match side {
+            Side::Prefill => context,
+            Side::Decode => context + u64::from(self.limits.max_new_tokens),
+        }
+    }
+
+    /// Checks every rule; returns the first broken one.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        validate_geometry(&self.geometry)?;
+        if self.limits.max_context == 0 {
+            return Err(ConfigError::ZeroLimit { key: "max_context" });
+        }
+        if self.limits.max_new_tokens == 0 {
+            return Err(ConfigError::ZeroLimit {
+                key: "max_new_tokens",
+            });
+        }
+        for side in [Side::Prefill, Side::Decode] {
+            self.validate_pool(side)?;
+        }
+        validate_deadlines(&self.deadlines)?;
+        validate_control(&self.control)
+    }
+
+    fn validate_pool(&self, side: Side) -> Result<(), ConfigError> {
+        let g = &self.geometry;
+        let pool = self.pool(side);
+        let needed_tokens = self.max_tokens(side);
+        let needed_pages = g.pages_for_tokens(needed_tokens);
+        if needed_pages > u64::from(pool.pool_pages) {
+            return Err(ConfigError::ContextExceedsPool {
+                side,
+                needed_tokens,
+                needed_pages,
+                pool_tokens: pool.pool_tokens(g),
+                pool_pages: pool.pool_pages,
+                tokens_per_page: g.tokens_per_page,
+            });
+        }
+        let bytes_per_page = g.bytes_per_page();
+        let pool_bytes = u128::from(pool.pool_pages) * u128::from(bytes_per_page);
+        if pool_bytes > u128::from(MAX_POOL_BYTES) {
+            return Err(ConfigError::PoolTooLarge {
+                side,
+                pool_pages: pool.pool_pages,
+                bytes_per_page,
+                pool_bytes,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Refuses zero dimensions and pages over [`MAX_PAGE_BYTES`] without overflowing:
+/// [`PageGeometry::bytes_per_page`] multiplies unchecked, so it is only called once the
+/// product is known to fit.
+fn validate_geometry(g: &PageGeometry) -> Result<(), ConfigError> {
+    let dims = [g.tokens_per_page, g.layers, g.kv_heads, g.head_dim];
+    let fits = !dims.contains(&0)
+        && dims
+            .iter()
+            .try_fold(2 * g.dtype.size() as u64, |acc, &d| {
+                acc.checked_mul(u64::from(d))
+            })
+            .is_some_and(|bytes| bytes <= MAX_PAGE_BYTES);
+    if fits && g.is_valid() {
+        Ok(())
+    } else {
+        Err(ConfigError::InvalidGeometry { geometry: *g })
+    }
+}
+
+fn validate_deadlines(d: &Deadlines) -> Result<(), ConfigError> {
+    for (key, ms) in d.named() {
+        if ms == 0 || ms > MAX_DEADLINE_MS {
+            return Err(ConfigError::DeadlineOutOfRange { key, ms });
+        }
+    }
+    if u64::from(d.request) < u64::from(d.bootstrap) + u64::from(d.transfer) {
+        return Err(ConfigError::RequestDeadlineTooShort {
+            request_ms: d.request,
+            bootstrap_ms: d.bootstrap,
+            transfer_ms: d.transfer,
+        });
+    }
+    Ok(())
+}
+
+fn validate_control(c: &Control) -> Result<(), ConfigError> {
+    for (key, ids) in [
+        ("allowed_uids", &c.allowed_uids),
+        ("allowed_gids", &c.allowed_gids),
+    ] {
+        if ids.len() > MAX_ALLOWED_IDS {
+            return Err(ConfigError::TooManyIds {
+                key,
+                count: ids.len(),
+            });
+        }
+    }
+    if c.admission_queue > MAX_ADMISSION_QUEUE {
+        return Err(ConfigError::AdmissionQueueTooLong {
+            queued: c.admission_queue,
+        });
+    }
+    let len = c.socket.as_os_str().len();
+    if len == 0 {
+        return Err(ConfigError::SocketPathEmpty);
+    }
+    if !c.socket.is_absolute() {
+        return Err(ConfigError::SocketPathRelative {
+            path: c.socket.clone(),
+        });
+    }
+    if len > MAX_SOCKET_PATH_BYTES {
+        return Err(ConfigError::SocketPathTooLong {
+            path: c.socket.clone(),
+            len,
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::error::Error as _;
+
+    const EXAMPLE: &str = include_str!("../kvfence.example.toml");
+
+    /// A config with only the required keys, one section per blank-line-separated block.
+    fn minimal(tpp: u32, max_context: u32, max_new: u32, prefill: u32, decode: u32) -> String {
+        format!(
+            "[geometry]\ntokens_per_page = {tpp}\nlayers = 32\nkv_heads = 8\nhead_dim = 128\n\
+             dtype = \"bf16\"\n\n[limits]\nmax_context = {max_context}\n\
+             max_new_tokens = {max_new}\n\n[prefill]\npool_pages = {prefill}\n\n\
+             [decode]\npool_pages = {decode}\n"
+        )
+    }
+
+    fn llama(max_context: u32, max_new: u32, prefill: u32, decode: u32) -> Config {
+        let mut c = Config::embedded_default(PathBuf::from(DEFAULT_SOCKET));
+        c.geometry = PageGeometry {
+            tokens_per_page: 16,
+            layers: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            dtype: Dtype::Bf16,
+        };
+        c.limits = Limits {
+            max_context,
+            max_new_tokens: max_new,
+        };
+        c.prefill.pool_pages = prefill;
+        c.decode.pool_pages = decode;
+        c
+    }
+
+    /// Every dotted key path in a TOML table.
+    fn key_paths(table: &toml::Table, prefix: &str, out: &mut Vec<String>) {
+        for (k, v) in table {
+            let path = format!("{prefix}{k}");
+            if let toml::Value::Table(t) = v {
+                key_paths(t, &format!("{path}."), out);
+            } else {
+                out.push(path);
+            }
+        }
+    }
+
+    #[test]
+    fn example_file_parses_and_validates() {
+        let c = Config::from_toml_str(EXAMPLE).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            c.geometry.bytes_per_page(),
+            2 << 20,
+            "Llama-3-8B-shaped page is 2 MiB"
+        );
+        assert!(c.max_tokens(Side::Prefill) <= c.prefill.pool_tokens(&c.geometry));
+        assert!(c.max_tokens(Side::Decode) <= c.decode.pool_tokens(&c.geometry));
+    }
+
+    #[test]
+    fn example_file_sets_every_key() {
+        let example: toml::Table = toml::from_str(EXAMPLE).unwrap();
+        let all = toml::Table::try_from(Config::embedded_default(DEFAULT_SOCKET.into())).unwrap();
+        let (mut want, mut got) = (Vec::new(), Vec::new());
+        key_paths(&all, "", &mut want);
+        key_paths(&example, "", &mut got);
+        want.sort();
+        got.sort();
+        assert_eq!(
+            got, want,
+            "kvfence.example.toml must set and document every key"
+        );
+    }
+
+    #[test]
+    fn embedded_default_validates_and_round_trips() {
+        let c = Config::embedded_default(PathBuf::from("/tmp/kvfence-test/kvctld.sock"));
+        c.validate().unwrap();
+        let text = toml::to_string(&c).unwrap();
+        assert_eq!(Config::from_toml_str(&text).unwrap(), c);
+    }
+
+    #[test]
+    fn defaults_are_applied() {
+        let c = Config::from_toml_str(&minimal(16, 4096, 256, 1024, 1024)).unwrap();
+        assert_eq!(c.control, Control::default());
+        assert_eq!(c.control.socket, Path::new(DEFAULT_SOCKET));
+        assert_eq!(c.control.admission_queue, 1024);
+        assert_eq!(c.deadlines, Deadlines::default());
+        assert_eq!(c.deadlines.as_durations().request, Duration::from_secs(60));
+        assert_eq!(c.deadlines.transfer(), Duration::from_secs(5));
+        assert_eq!(c.probe.interval(), None);
+        assert_eq!(c.prefill.poison, PoisonMode::Off);
+        assert_eq!(c.prefill.scrub, Scrub::Off);
+        assert_eq!(c.prefill.backend, Backend::Host);
+        assert_eq!(c.prefill.cuda_device, 0);
+        assert_eq!(c.prefill.pool_bytes(&c.geometry), 1024 * (2 << 20));
+    }
+
+    #[test]
+    fn enum_spellings() {
+        let text = minimal(16, 4096, 256, 1024, 1024).replace(
+            "[decode]\n",
+            "[decode]\npoison = \"owner\"\nscrub = \"on-free\"\nbackend = \"cuda\"\ncuda_device = 3\n",
+        );
+        let c = Config::from_toml_str(&text).unwrap();
+        assert_eq!(c.decode.poison, PoisonMode::Owner);
+        assert_eq!(c.decode.scrub, Scrub::OnFree);
+        assert_eq!(c.decode.backend, Backend::Cuda);
+        assert_eq!(c.decode.cuda_device, 3);
+        let bad = minimal(16, 4096, 256, 1024, 1024)
+            .replace("[decode]\n", "[decode]\nscrub = \"always\"\n");
+        assert!(matches!(
+            Config::from_toml_str(&bad),
+            Err(ConfigError::Parse { .. })
+        ));
+    }
+
+    /// The incident: a 1,048,576-token context window over a prefill pool of 681,280 tokens.
+    #[test]
+    fn incident_context_exceeding_prefill_pool_is_refused() {
+        let err = llama(1_048_576, 8192, 42_580, 127_500)
+            .validate()
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ConfigError::ContextExceedsPool {
+                    side: Side::Prefill,
+                    needed_tokens: 1_048_576,
+                    needed_pages: 65_536,
+                    pool_tokens: 681_280,
+                    pool_pages: 42_580,
+                    tokens_per_page: 16,
+                }
+            ),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        assert!(msg.contains("1048576") && msg.contains("681280"), "{msg}");
+        assert_eq!(
+            msg,
+            "prefill pool holds 681280 tokens (42580 pages of 16) but max_context is 1048576 \
+             tokens (65536 pages): a request this long could never be admitted; enlarge \
+             [prefill] pool_pages or lower limits.max_context"
+        );
+        // The same numbers from TOML are refused too, before any daemon could start.
+        let text = minimal(16, 1_048_576, 8192, 42_580, 127_500);
+        assert!(matches!(
+            Config::from_toml_str(&text),
+            Err(ConfigError::ContextExceedsPool {
+                side: Side::Prefill,
+                ..
+            })
+        ));
+    }
+
+    /// The remediation: the same context window over a pool of 2.04M tokens.
+    #[test]
+    fn incident_remediation_pool_is_accepted() {
+        let c = llama(1_048_576, 8192, 127_500, 127_500);
+        assert_eq!(c.prefill.pool_tokens(&c.geometry), 2_040_000);
+        c.validate().unwrap();
+        Config::from_toml_str(&minimal(16, 1_048_576, 8192, 127_500, 127_500)).unwrap();
+    }
+
+    #[test]
+    fn decode_pool_must_hold_context_plus_new_tokens() {
+        // 4096 + 256 tokens = 272 pages; 256 pages hold the prompt but not the generation.
+        let err = llama(4096, 256, 256, 256).validate().unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ConfigError::ContextExceedsPool {
+                    side: Side::Decode,
+                    needed_tokens: 4352,
+                    needed_pages: 272,
+                    pool_tokens: 4096,
+                    pool_pages: 256,
+                    tokens_per_page: 16,
+                }
+            ),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains("max_context + max_new_tokens is 4352 tokens"),
+            "{msg}"
+        );
+        assert!(
+            msg.starts_with("decode pool holds 4096 tokens (256 pages of 16)"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn pools_exactly_at_capacity_are_accepted_and_one_token_over_is_refused() {
+        // Prefill: 4096 tokens = 256 pages exactly; decode: 4096 + 256 = 272 pages exactly.
+        llama(4096, 256, 256, 272).validate().unwrap();
+        let over_prefill = llama(4097, 255, 256, 272).validate().unwrap_err();
+        assert!(matches!(
+            over_prefill,
+            ConfigError::ContextExceedsPool {
+                side: Side::Prefill,
+                needed_pages: 257,
+                ..
+            }
+        ));
+        let over_decode = llama(4096, 257, 256, 272).validate().unwrap_err();
+        assert!(matches!(
+            over_decode,
+            ConfigError::ContextExceedsPool {
+                side: Side::Decode,
+                needed_pages: 273,
+                ..
+            }
+        ));
+        // A partial last page still needs a whole page.
+        llama(4095, 1, 256, 256).validate().unwrap();
+        llama(4081, 1, 256, 256).validate().unwrap();
+        assert!(llama(4096, 1, 256, 256).validate().is_err());
+    }
+
+    #[test]
+    fn unknown_key_anywhere_is_refused() {
+        let base = minimal(16, 4096, 256, 1024, 1024);
+        Config::from_toml_str(&base).unwrap();
+        let cases = [
+            format!("colour = 1\n{base}"),
+            base.replace("[geometry]\n", "[geometry]\nlayer = 32\n"),
+            base.replace("[limits]\n", "[limits]\nmax_contex = 4096\n"),
+            base.replace("[prefill]\n", "[prefill]\npool_page = 4\n"),
+            base.replace("[decode]\n", "[decode]\nscrubb = \"off\"\n"),
+            format!("{base}[control]\nsocket_path = \"/run/x.sock\"\n"),
+            format!("{base}[deadlines]\ntransfer_ms = 5000\n"),
+            format!("{base}[probe]\ninterval = 5\n"),
+            format!("{base}[prefil]\npool_pages = 4\n"),
+        ];
+        for text in cases {
+            match Config::from_toml_str(&text) {
+                Err(ConfigError::Parse { path: None, .. }) => {}
+                other => panic!("accepted or wrong error {other:?} for:\n{text}"),
+            }
+        }
+    }
+
+    #[test]
+    fn missing_required_keys_are_refused() {
+        let base = minimal(16, 4096, 256, 1024, 1024);
+        let required = [
+            "tokens_per_page",
+            "layers",
+            "kv_heads",
+            "head_dim",
+            "dtype",
+            "max_context",
+            "max_new_tokens",
+        ];
+        for key in required {
+            let text: String = base
+                .lines()
+                .filter(|l| !l.starts_with(&format!("{key} ")))
+                .map(|l| format!("{l}\n"))
+                .collect();
+            assert_ne!(text, base);
+            assert!(
+                matches!(Config::from_toml_str(&text), Err(ConfigError::Parse { .. })),
+                "{key}"
+            );
+        }
+        for section in ["[geometry]", "[limits]", "[prefill]", "[decode]"] {
+            let blocks: Vec<&str> = base
+                .split("\n\n")
+                .filter(|b| !b.starts_with(section))
+                .collect();
+            assert_eq!(blocks.len(), 3);
+            let text = blocks.join("\n\n");
+            let err = Config::from_toml_str(&text).unwrap_err();
+            assert!(
+                matches!(err, ConfigError::Parse { .. }),
+                "{section}: {err:?}"
+            );
+            let name = section.trim_matches(['[', ']']);
+            assert!(
+                err.source().unwrap().to_string().contains(name),
+                "{section}: {err:?}"
+            );
+        }
+        // pool_pages is required on each side.
+        let no_pool = base.replacen("pool_pages = 1024", "poison = \"off\"", 1);
+        assert!(matches!(
+            Config::from_toml_str(&no_pool),
+            Err(ConfigError::Parse { .. })
+        ));
+        let msg = Config::from_toml_str("")
+            .unwrap_err()
+            .source()
+            .unwrap()
+            .to_string();
+        assert!(msg.contains("geometry"), "{msg}");
+    }
+
+    #[test]
+    fn zero_and_overlong_deadlines_are_refused() {
+        let keys = [
+            "admission_wait",
+            "bootstrap",
+            "transfer",
+            "decode",
+            "request",
+            "drain",
+        ];
+        for key in keys {
+            for bad in [0, MAX_DEADLINE_MS + 1] {
+                let text = format!(
+                    "{}[deadlines]\n{key} = {bad}\n",
+                    minimal(16, 4096, 256, 1024, 1024)
+                );
+                let err = Config::from_toml_str(&text).unwrap_err();
+                assert!(
+                    matches!(err, ConfigError::DeadlineOutOfRange { key: k, ms } if k == key && ms == bad),
+                    "{key} = {bad}: {err:?}"
+                );
+                assert!(err.to_string().contains("3600000"), "{err}");
+            }
+        }
+        let mut c = llama(4096, 256, 1024, 1024);
+        c.deadlines = Deadlines {
+            admission_wait: MAX_DEADLINE_MS,
+            bootstrap: 1,
+            transfer: 1,
+            decode: MAX_DEADLINE_MS,
+            request: MAX_DEADLINE_MS,
+            drain: MAX_DEADLINE_MS,
+        };
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn request_deadline_must_cover_bootstrap_and_transfer() {
+        let mut c = llama(4096, 256, 1024, 1024);
+        c.deadlines.bootstrap = 2000;
+        c.deadlines.transfer = 5000;
+        c.deadlines.request = 6999;
+        let err = c.validate().unwrap_err();
+        assert!(matches!(
+            err,
+            ConfigError::RequestDeadlineTooShort {
+                request_ms: 6999,
+                ..
+            }
+        ));
+        assert!(err.to_string().contains("2000 + 5000 = 7000 ms"), "{err}");
+        c.deadlines.request = 7000;
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn invalid_geometry_is_refused_without_overflow() {
+        let base = llama(4096, 256, 1024, 1024);
+        let mut cases = Vec::new();
+        for i in 0..4 {
+            let mut g = base.geometry;
+            *[
+                &mut g.tokens_per_page,
+                &mut g.layers,
+                &mut g.kv_heads,
+                &mut g.head_dim,
+            ][i] = 0;
+            cases.push(g);
+        }
+        // Products that overflow u64 must be refused, not wrap or panic.
+        cases.push(PageGeometry {
+            tokens_per_page: u32::MAX,
+            layers: u32::MAX,
+            kv_heads: u32::MAX,
+            head_dim: u32::MAX,
+            dtype: Dtype::F32,
+        });
+        cases.push(PageGeometry {
+            tokens_per_page: 0,
+            layers: u32::MAX,
+            kv_heads: u32::MAX,
+            head_dim: u32::MAX,
+            dtype: Dtype::F32,
+        });
+        // 1 GiB + one element.
+        cases.push(PageGeometry {
+            tokens_per_page: 1,
+            layers: 1,
+            kv_heads: 1,
+            head_dim: (1 << 28) + 1,
+            dtype: Dtype::F16,
+        });
+        for g in cases {
+            let mut c = base.clone();
+            c.geometry = g;
+            let err = c.validate().unwrap_err();
+            assert!(
+                matches!(err, ConfigError::InvalidGeometry { .. }),
+                "{g:?}: {err:?}"
+            );
+        }
+        // Exactly 1 GiB is allowed (the pool limit then caps it at 1024 pages).
+        let mut c = llama(1, 1, 1, 2);
+        c.geometry = PageGeometry {
+            tokens_per_page: 1,
+            layers: 1,
+            kv_heads: 1,
+            head_dim: 1 << 28,
+            dtype: Dtype::F16,
+        };
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn zero_limits_are_refused() {
+        assert!(matches!(
+            llama(0, 256, 1024, 1024).validate(),
+            Err(ConfigError::ZeroLimit { key: "max_context" })
+        ));
+        assert!(matches!(
+            llama(4096, 0, 1024, 1024).validate(),
+            Err(ConfigError::ZeroLimit {
+                key: "max_new_tokens"
+            })
+        ));
+    }
+
+    #[test]
+    fn pool_over_one_tib_is_refused() {
+        // 2 MiB pages: 524288 pages are exactly 1 TiB.
+        llama(4096, 256, 1024, 524_288).validate().unwrap();
+        let err = llama(4096, 256, 1024, 524_289).validate().unwrap_err();
+        assert!(matches!(
+            err,
+            ConfigError::PoolTooLarge { side: Side::Decode, pool_pages: 524_289, pool_bytes, .. }
+                if pool_bytes == 524_289 * (2 << 20)
+        ));
+        assert!(err.to_string().contains("1099511627776"), "{err}");
+        let err = llama(4096, 256, u32::MAX, 1024).validate().unwrap_err();
+        assert!(matches!(
+            err,
+            ConfigError::PoolTooLarge {
+                side: Side::Prefill,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn control_limits_are_enforced() {
+        let base = llama(4096, 256, 1024, 1024);
+        let check = |f: &dyn Fn(&mut Control)| {
+            let mut c = base.clone();
+            f(&mut c.control);
+            c.validate()
+        };
+        assert!(check(&|c| c.allowed_uids = (0..64).collect()).is_ok());
+        assert!(matches!(
+            check(&|c| c.allowed_uids = (0..65).collect()),
+            Err(ConfigError::TooManyIds {
+                key: "allowed_uids",
+                count: 65
+            })
+        ));
+        assert!(matches!(
+            check(&|c| c.allowed_gids = (0..65).collect()),
+            Err(ConfigError::TooManyIds {
+                key: "allowed_gids",
+                count: 65
+            })
+        ));
+        assert!(matches!(
+            check(&|c| c.admission_queue = MAX_ADMISSION_QUEUE + 1),
+            Err(ConfigError::AdmissionQueueTooLong { .. })
+        ));
+        assert!(check(&|c| c.admission_queue = 0).is_ok());
+        assert!(matches!(
+            check(&|c| c.socket = PathBuf::new()),
+            Err(ConfigError::SocketPathEmpty)
+        ));
+        assert!(matches!(
+            check(&|c| c.socket = "run/kvctld.sock".into()),
+            Err(ConfigError::SocketPathRelative { .. })
+        ));
+        let at_limit = format!("/{}", "a".repeat(MAX_SOCKET_PATH_BYTES - 1));
+        assert!(check(&|c| c.socket = at_limit.clone().into()).is_ok());
+        assert!(matches!(
+            check(&|c| c.socket = format!("{at_limit}b").into()),
+            Err(ConfigError::SocketPathTooLong { len: 101, .. })
+        ));
+    }
+
+    #[test]
+    fn load_reads_the_file_and_names_it_on_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kvfence.toml");
+        std::fs::write(&path, EXAMPLE).unwrap();
+        assert_eq!(
+            Config::load(&path).unwrap(),
+            Config::from_toml_str(EXAMPLE).unwrap()
+        );
+
+        let missing = dir.path().join("absent.toml");
+        let err = Config::load(&missing).unwrap_err();
+        assert!(matches!(err, ConfigError::Read { .. }));
+        assert!(err.to_string().contains("absent.toml"));
+        assert!(err.source().is_some());
+
+        std::fs::write(&path, "[geometry\n").unwrap();
+        let err = Config::load(&path).unwrap_err();
+        assert!(matches!(&err, ConfigError::Parse { path: Some(p), .. } if *p == path));
+        // The message names the file; the TOML diagnostic lives only in the source.
+        let source = err.source().unwrap().to_string();
+        assert!(!err.to_string().contains(&source));
+        assert!(!source.is_empty());
+    }
+
+    fn pages(tokens: u64, tpp: u32) -> u64 {
+        // Written independently of `div_ceil`, as the oracle for the code under test.
+        let tpp = u64::from(tpp);
+        let whole = tokens / tpp;
+        if whole * tpp < tokens {
+            whole + 1
+        } else {
+            whole
+        }
+    }
+
+    /// A pool size near the boundary (`needed + delta`) or anywhere.
+    fn pool_near(needed: u64, delta: i64, anywhere: Option<u32>) -> u32 {
+        anywhere.unwrap_or_else(|| {
+            let p = i128::from(needed) + i128::from(delta);
+            u32::try_from(p.clamp(0, i128::from(u32::MAX))).unwrap()
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn accepts_iff_the_page_arithmetic_fits(
+            tpp in 1u32..=4096,
+            max_context in 1u32..=u32::MAX,
+            max_new in 1u32..=u32::MAX,
+            prefill_delta in -3i64..=3,
+            decode_delta in -3i64..=3,
+            prefill_any in proptest::option::weighted(0.2, any::<u32>()),
+            decode_any in proptest::option::weighted(0.2, any::<u32>()),
+        ) {
+            let context = u64::from(max_context);
+            let total = context + u64::from(max_new);
+            let prefill = pool_near(pages(context, tpp), prefill_delta, prefill_any);
+            let decode = pool_near(pages(total, tpp), decode_delta, decode_any);
+            let mut c = llama(max_context, max_new, prefill, decode);
+            // 4 bytes a token: token counts from two u32s then stay far below 1 TiB.
+            c.geometry = PageGeometry { tokens_per_page: tpp, layers: 1, kv_heads: 1, head_dim: 1, dtype: Dtype::F16 };
+            let page_bytes = u128::from(4 * tpp);
+            let too_big = |p: u32| u128::from(p) * page_bytes > u128::from(MAX_POOL_BYTES);
+
+            let prefill_fits = context <= u64::from(prefill) * u64::from(tpp);
+            let decode_fits = total <= u64::from(decode) * u64::from(tpp);
+            let result = c.validate();
+            match (prefill_fits, decode_fits) {
+                (false, _) => prop_assert!(matches!(
+                    result,
+                    Err(ConfigError::ContextExceedsPool { side: Side::Prefill, .. })
+                ), "{:?}", result),
+                (true, _) if too_big(prefill) => prop_assert!(matches!(
+                    result,
+                    Err(ConfigError::PoolTooLarge { side: Side::Prefill, .. })
+                ), "{:?}", result),
+                (true, false) => prop_assert!(matches!(
+                    result,
+                    Err(ConfigError::ContextExceedsPool { side: Side::Decode, .. })
+                ), "{:?}", result),
+                (true, true) if too_big(decode) => prop_assert!(matches!(
+                    result,
+                    Err(ConfigError::PoolTooLarge { side: Side::Decode, .. })
+                ), "{:?}", result),
+                (true, true) => prop_assert!(result.is_ok(), "{:?}", result),
+            }
+        }
+    }
+}

@@ -1,0 +1,582 @@
+//! Page pools and the page ownership table.
+//!
+//! Every page has one owner record and one state (see `DESIGN.md`):
+//!
+//! ```text
+//!            reserve                 grant_write               drop grant
+//!   Free ─────────────▶ Reserved ───────────────▶ Writing ────────────────▶ Reserved
+//!    ▲                     │  verify ok                │ reservation dropped
+//!    │                     ▼                           ▼ (abort, timeout)
+//!    │                  Readable                    Draining ── last writer gone ──┐
+//!    │                     │ reservation dropped                                 │
+//!    └─────────────────────┴──────────(poison / scrub)───────────────────────────┘
+//! ```
+//!
+//! A page goes back to the free list only from a state with no writer. The values that carry
+//! these states are RAII: a [`Reservation`] frees its pages when dropped (or parks them in
+//! `Draining` while a [`WriteGrant`] is alive); a [`WriteGrant`] ends its writes when dropped;
+//! a [`VerifiedKv`] — the only way to read page contents for attention — can be produced only
+//! by [`Reservation::verify`] (in `verify.rs`).
+
+use crate::config::{PoisonMode, Scrub};
+use crate::geometry::PageGeometry;
+use crate::ids::{Owner, PageId};
+use crate::memory::PoolMemory;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// What may touch a page now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PageState {
+    /// On the free list; no owner.
+    Free,
+    /// Owned by a live reservation; no writer; not yet verified.
+    Reserved,
+    /// Owned by a live reservation with a writer (a transfer) that may touch it.
+    Writing,
+    /// Verified: readable for attention by its owner only.
+    Readable,
+    /// Its reservation ended while a writer could still touch it; freed when the writer is gone.
+    Draining,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    state: PageState,
+    owner: Option<Owner>,
+    writers: u32,
+}
+
+/// Page counts per state.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolUsage {
+    pub total: u32,
+    pub free: u32,
+    pub reserved: u32,
+    pub writing: u32,
+    pub readable: u32,
+    pub draining: u32,
+}
+
+/// Errors of pool operations.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PoolError {
+    #[error("pool has {free} free pages, {need} needed")]
+    Full { need: u32, free: u32 },
+    #[error("request needs {need} pages but the pool only has {total}")]
+    NeverFits { need: u32, total: u32 },
+    #[error("pool memory is {have} bytes, {need} needed for {pages} pages")]
+    MemoryTooSmall { have: u64, need: u64, pages: u32 },
+    #[error("a writer is already active on this reservation")]
+    WriterActive,
+    #[error("pages of a verified reservation take no more writers")]
+    AlreadyVerified,
+    #[error("pool memory has no host mapping")]
+    NoHostMapping,
+    #[error("index {index} outside a grant of {pages} pages")]
+    OutOfGrant { index: usize, pages: usize },
+    #[error("append past the reservation's capacity of {capacity} tokens")]
+    CapacityExhausted { capacity: u64 },
+}
+
+/// Monotonic counters of one pool (cheap atomics).
+#[derive(Debug, Default)]
+pub struct PoolCounters {
+    pub reservations: AtomicU64,
+    pub pages_reserved: AtomicU64,
+    pub pages_freed: AtomicU64,
+    pub drained: AtomicU64,
+    pub verified: AtomicU64,
+    pub verify_failed: AtomicU64,
+}
+
+struct Table {
+    slots: Vec<Slot>,
+    free: Vec<PageId>,
+    usage: PoolUsage,
+}
+
+impl Table {
+    fn count(&mut self, from: PageState, to: PageState) {
+        let u = &mut self.usage;
+        for (st, delta) in [(from, u32::MAX), (to, 1u32)] {
+            let c = match st {
+                PageState::Free => &mut u.free,
+                PageState::Reserved => &mut u.reserved,
+                PageState::Writing => &mut u.writing,
+                PageState::Readable => &mut u.readable,
+                PageState::Draining => &mut u.draining,
+            };
+            *c = c.wrapping_add(delta);
+        }
+    }
+
+    fn set(&mut self, page: PageId, to: PageState) {
+        let from = self.slots[page.index()].state;
+        self.slots[page.index()].state = to;
+        self.count(from, to);
+    }
+}
+
+pub(crate) struct PoolInner {
+    geometry: PageGeometry,
+    pages: u32,
+    page_bytes: usize,
+    memory: Box<dyn PoolMemory>,
+    table: Mutex<Table>,
+    poison: PoisonMode,
+    scrub: Scrub,
+    pub(crate) counters: PoolCounters,
+}
+
+/// A paged KV pool with its ownership table. Cheap to clone (shared).
+#[derive(Clone)]
+pub struct PagePool {
+    inner: Arc<PoolInner>,
+}
+
+impl fmt::Debug for PagePool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PagePool")
+            .field("pages", &self.inner.pages)
+            .field("backend", &self.inner.memory.backend())
+            .field("usage", &self.usage())
+            .finish()
+    }
+}
+
+/// Options of a pool beyond its geometry and size.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PoolOptions {
+    pub poison: PoisonMode,
+    pub scrub: Scrub,
+}
+
+impl PagePool {
+    /// Creates a pool of `pages` pages over `memory`, which must be large enough.
+    pub fn new(
+        geometry: PageGeometry,
+        pages: u32,
+        memory: Box<dyn PoolMemory>,
+        options: PoolOptions,
+    ) -> Result<Self, PoolError> {
+        let page_bytes = geometry.bytes_per_page();
+        let need = page_bytes.saturating_mul(u64::from(pages));
+        if memory.len() < need {
+            return Err(PoolError::MemoryTooSmall {
+                have: memory.len(),
+                need,
+                pages,
+            });
+        }
+        let slots = vec![
+            Slot {
+                state: PageState::Free,
+                owner: None,
+                writers: 0
+            };
+            pages as usize
+        ];
+        // Pages are handed out lowest first: pop() takes from the end.
+        let free = (0..pages).rev().map(PageId).collect();
+        let usage = PoolUsage {
+            total: pages,
+            free: pages,
+            ..PoolUsage::default()
+        };
+        let page_bytes = usize::try_from(page_bytes).map_err(|_| PoolError::MemoryTooSmall {
+            have: memory.len(),
+            need,
+            pages,
+        })?;
+        Ok(Self {
+            inner: Arc::new(PoolInner {
+                geometry,
+                pages,
+                page_bytes,
+                memory,
+                table: Mutex::new(Table { slots, free, usage }),
+                poison: options.poison,
+                scrub: options.scrub,
+                counters: PoolCounters::default(),
+            }),
+        })
+    }
+
+    /// A host pool on a fresh sealed memfd.
+    pub fn host(
+        name: &std::ffi::CStr,
+        geometry: PageGeometry,
+        pages: u32,
+        options: PoolOptions,
+    ) -> std::io::Result<Self> {
+        let len = geometry.bytes_per_page().saturating_mul(u64::from(pages));
+        let mem = crate::memory::HostMemory::new(name, len)?;
+        Self::new(geometry, pages, Box::new(mem), options).map_err(std::io::Error::other)
+    }
+
+    pub fn geometry(&self) -> &PageGeometry {
+        &self.inner.geometry
+    }
+
+    /// Pages in the pool.
+    pub fn pages(&self) -> u32 {
+        self.inner.pages
+    }
+
+    /// Bytes per page.
+    pub fn page_bytes(&self) -> usize {
+        self.inner.page_bytes
+    }
+
+    pub fn memory(&self) -> &dyn PoolMemory {
+        &*self.inner.memory
+    }
+
+    pub fn counters(&self) -> &PoolCounters {
+        &self.inner.counters
+    }
+
+    /// Current page counts per state.
+    pub fn usage(&self) -> PoolUsage {
+        self.inner.lock().usage
+    }
+
+    /// State and owner of one page (for tests and status).
+    pub fn page_state(&self, page: PageId) -> Option<(PageState, Option<Owner>)> {
+        let t = self.inner.lock();
+        t.slots.get(page.index()).map(|s| (s.state, s.owner))
+    }
+
+    /// Reserves `pages` pages for `owner`, all or none. `tokens` is how many token positions
+    /// the pages are for (the prompt); `capacity_tokens` how many the reservation may hold in
+    /// all (prompt plus generated tokens on decode).
+    pub fn reserve(
+        &self,
+        owner: Owner,
+        tokens: u32,
+        capacity_tokens: u64,
+    ) -> Result<Reservation, PoolError> {
+        let need64 = self
+            .inner
+            .geometry
+            .pages_for_tokens(capacity_tokens.max(u64::from(tokens)));
+        let need = u32::try_from(need64).unwrap_or(u32::MAX);
+        if need > self.inner.pages {
+            return Err(PoolError::NeverFits {
+                need,
+                total: self.inner.pages,
+            });
+        }
+        let mut t = self.inner.lock();
+        let free = u32::try_from(t.free.len()).unwrap_or(u32::MAX);
+        if need > free {
+            return Err(PoolError::Full { need, free });
+        }
+        let at = t.free.len() - need as usize;
+        let pages: Vec<PageId> = t.free.drain(at..).rev().collect();
+        for &p in &pages {
+            let s = &mut t.slots[p.index()];
+            debug_assert_eq!(s.state, PageState::Free);
+            s.owner = Some(owner);
+            s.writers = 0;
+            t.set(p, PageState::Reserved);
+        }
+        drop(t);
+        let c = &self.inner.counters;
+        c.reservations.fetch_add(1, Ordering::Relaxed);
+        c.pages_reserved
+            .fetch_add(u64::from(need), Ordering::Relaxed);
+        Ok(Reservation {
+            pool: self.clone(),
+            owner,
+            pages,
+            tokens,
+            capacity_tokens: capacity_tokens.max(u64::from(tokens)),
+            grant_live: false,
+        })
+    }
+}
+
+impl PoolInner {
+    fn lock(&self) -> MutexGuard<'_, Table> {
+        // A poisoned lock means a panic while the table was held; the table's updates are
+        // single assignments, so the data is still consistent.
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Raw page bytes. Callers must own the page exclusively per the table.
+    fn page_ptr(&self, page: PageId) -> Result<*mut u8, PoolError> {
+        let base = self.memory.host_ptr().ok_or(PoolError::NoHostMapping)?;
+        debug_assert!(page.0 < self.pages);
+        // SAFETY: page < pages and memory.len() >= pages * page_bytes (checked in new()), so the
+        // offset stays inside the mapping.
+        Ok(unsafe { base.as_ptr().add(page.index() * self.page_bytes) })
+    }
+
+    /// Fills a page being freed with the poison pattern or zeros, as configured.
+    fn wipe(&self, page: PageId, owner: Option<Owner>) {
+        let pattern = match (self.poison, self.scrub) {
+            (PoisonMode::Owner, _) => Some(poison_pattern(owner)),
+            (PoisonMode::Off, Scrub::OnFree) => Some([0u8; 16]),
+            (PoisonMode::Off, Scrub::Off) => None,
+        };
+        let (Some(pattern), Ok(ptr)) = (pattern, self.page_ptr(page)) else {
+            return;
+        };
+        // SAFETY: the page is being freed under the table lock: no reservation, grant or
+        // verified handle refers to it any more, so nobody else holds a slice of it.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(ptr, self.page_bytes) };
+        if pattern == [0u8; 16] {
+            bytes.fill(0);
+        } else {
+            for chunk in bytes.chunks_mut(16) {
+                chunk.copy_from_slice(&pattern[..chunk.len()]);
+            }
+        }
+    }
+
+    /// Frees one page whose last holder has gone. Table lock held by the caller.
+    fn free_page(&self, t: &mut Table, page: PageId) {
+        let owner = t.slots[page.index()].owner.take();
+        self.wipe(page, owner);
+        t.set(page, PageState::Free);
+        t.free.push(page);
+        self.counters.pages_freed.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The 16-byte pattern poison mode writes into a freed page: "KVPOISON" followed by the
+/// little-endian id of the request that last owned it.
+pub fn poison_pattern(owner: Option<Owner>) -> [u8; 16] {
+    let mut p = [0u8; 16];
+    p[..8].copy_from_slice(b"KVPOISON");
+    p[8..].copy_from_slice(&owner.map_or(u64::MAX, |o| o.request.0).to_le_bytes());
+    p
+}
+
+/// Pages reserved for one request on one pool. Dropping it releases the pages: at once when
+/// no writer can touch them, else when the last [`WriteGrant`] is gone.
+#[must_use = "dropping a reservation releases its pages"]
+pub struct Reservation {
+    pool: PagePool,
+    owner: Owner,
+    pages: Vec<PageId>,
+    tokens: u32,
+    capacity_tokens: u64,
+    grant_live: bool,
+}
+
+impl fmt::Debug for Reservation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Reservation")
+            .field("owner", &self.owner)
+            .field("pages", &self.pages.len())
+            .field("tokens", &self.tokens)
+            .finish()
+    }
+}
+
+impl Reservation {
+    pub fn owner(&self) -> Owner {
+        self.owner
+    }
+
+    /// All reserved pages, in token order.
+    pub fn pages(&self) -> &[PageId] {
+        &self.pages
+    }
+
+    /// Prompt tokens the reservation was made for.
+    pub fn tokens(&self) -> u32 {
+        self.tokens
+    }
+
+    /// Pages that hold the prompt tokens (a prefix of `pages()`).
+    pub fn prompt_pages(&self) -> usize {
+        usize::try_from(
+            self.pool
+                .geometry()
+                .pages_for_tokens(u64::from(self.tokens)),
+        )
+        .unwrap_or(usize::MAX)
+    }
+
+    pub fn capacity_tokens(&self) -> u64 {
+        self.capacity_tokens
+    }
+
+    pub fn pool(&self) -> &PagePool {
+        &self.pool
+    }
+
+    /// Opens write access to the prompt pages for one writer (a transfer, or a local prefill).
+    /// While the grant lives the pages are `Writing`; if the reservation is dropped meanwhile
+    /// they become `Draining` and are freed only when the grant is dropped.
+    pub fn grant_write(&mut self) -> Result<WriteGrant, PoolError> {
+        self.grant_pages(self.prompt_pages())
+    }
+
+    /// Like [`grant_write`](Self::grant_write) over the first `n` pages.
+    pub fn grant_pages(&mut self, n: usize) -> Result<WriteGrant, PoolError> {
+        if self.grant_live {
+            return Err(PoolError::WriterActive);
+        }
+        let n = n.min(self.pages.len());
+        let inner = &self.pool.inner;
+        let mut t = inner.lock();
+        for &p in &self.pages[..n] {
+            let s = &t.slots[p.index()];
+            if s.state != PageState::Reserved || s.owner != Some(self.owner) {
+                return Err(PoolError::AlreadyVerified);
+            }
+        }
+        for &p in &self.pages[..n] {
+            t.slots[p.index()].writers += 1;
+            t.set(p, PageState::Writing);
+        }
+        drop(t);
+        self.grant_live = true;
+        Ok(WriteGrant {
+            pool: self.pool.clone(),
+            owner: self.owner,
+            pages: self.pages[..n].to_vec(),
+        })
+    }
+
+    /// Re-reads from the table whether the last grant has ended (a grant reports its end to
+    /// the table, not to the reservation, since it may outlive it).
+    fn refresh_grant(&mut self) {
+        if self.grant_live {
+            let t = self.pool.inner.lock();
+            self.grant_live = self.pages.iter().any(|p| t.slots[p.index()].writers > 0);
+        }
+    }
+
+    /// Whether a writer may still touch any of the pages.
+    pub fn has_writer(&mut self) -> bool {
+        self.refresh_grant();
+        self.grant_live
+    }
+
+    /// Runs `f` on the owner's view of the table, under the table lock. Only `verify.rs` uses
+    /// it, to check ownership and move pages to `Readable` atomically.
+    pub(crate) fn with_table<R>(&self, f: impl FnOnce(&mut TableView<'_>) -> R) -> R {
+        let mut t = self.pool.inner.lock();
+        let mut view = TableView {
+            table: &mut t,
+            owner: self.owner,
+        };
+        f(&mut view)
+    }
+
+    pub(crate) fn page_bytes_ptr(&self, page: PageId) -> Result<*mut u8, PoolError> {
+        self.pool.inner.page_ptr(page)
+    }
+}
+
+/// Access to the table for the verification step.
+pub(crate) struct TableView<'a> {
+    table: &'a mut Table,
+    owner: Owner,
+}
+
+impl TableView<'_> {
+    /// State of `page` if the view's owner owns it.
+    pub(crate) fn owned_state(&self, page: PageId) -> Option<PageState> {
+        let s = self.table.slots.get(page.index())?;
+        (s.owner == Some(self.owner)).then_some(s.state)
+    }
+
+    pub(crate) fn make_readable(&mut self, page: PageId) {
+        self.table.set(page, PageState::Readable);
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let inner = &self.pool.inner;
+        let mut t = inner.lock();
+        let mut drained = false;
+        for &p in &self.pages {
+            let s = t.slots[p.index()];
+            debug_assert_eq!(s.owner, Some(self.owner));
+            if s.writers > 0 {
+                t.set(p, PageState::Draining);
+                drained = true;
+            } else {
+                inner.free_page(&mut t, p);
+            }
+        }
+        drop(t);
+        if drained {
+            inner.counters.drained.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Write access to a reservation's pages for one writer. Send it to the thread that writes;
+/// dropping it ends the writes. Holds the pool alive, not the reservation.
+pub struct WriteGrant {
+    pool: PagePool,
+    owner: Owner,
+    pages: Vec<PageId>,
+}
+
+impl fmt::Debug for WriteGrant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WriteGrant")
+            .field("owner", &self.owner)
+            .field("pages", &self.pages.len())
+            .finish()
+    }
+}
+
+impl WriteGrant {
+    pub fn owner(&self) -> Owner {
+        self.owner
+    }
+
+    /// Pages this grant may write, in token order.
+    pub fn pages(&self) -> &[PageId] {
+        &self.pages
+    }
+
+    pub fn geometry(&self) -> &PageGeometry {
+        self.pool.geometry()
+    }
+
+    /// The bytes of the `index`-th page of the grant.
+    pub fn page_mut(&mut self, index: usize) -> Result<&mut [u8], PoolError> {
+        let page = *self.pages.get(index).ok_or(PoolError::OutOfGrant {
+            index,
+            pages: self.pages.len(),
+        })?;
+        let ptr = self.pool.inner.page_ptr(page)?;
+        // SAFETY: the table records this grant as the only writer of `page` (grant_pages refuses
+        // a second grant, and only the owner's reservation could make one), nobody reads it
+        // before verification, and `&mut self` keeps this slice unique within the grant.
+        Ok(unsafe { std::slice::from_raw_parts_mut(ptr, self.pool.inner.page_bytes) })
+    }
+}
+
+impl Drop for WriteGrant {
+    fn drop(&mut self) {
+        let inner = &self.pool.inner;
+        let mut t = inner.lock();
+        for &p in &self.pages {
+            let s = &mut t.slots[p.index()];
+            debug_assert_eq!(s.owner, Some(self.owner));
+            s.writers = s.writers.saturating_sub(1);
+            let (writers, state) = (s.writers, s.state);
+            if writers == 0 {
+                match state {
+                    PageState::Draining => inner.free_page(&mut t, p),
+                    PageState::Writing => t.set(p, PageState::Reserved),
+                    _ => {}
+                }
+            }
+        }
+    }
+}

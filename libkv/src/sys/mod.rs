@@ -1,0 +1,4 @@
+//! Thin wrappers over system calls. All unsafe code of libkv lives below this module.
+
+pub mod memfd;
+pub mod uds;
