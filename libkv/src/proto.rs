@@ -48,25 +48,31 @@
 //! ```text
 //! kvctl                 kvctld                         decoded               prefilld
 //!   | Submit (id 0) ---->|                                |                      |
-//!   |                    | admission: reserve decode pages first (fail closed)   |
+//!   |                    | admission: need() + ledger, both pools or neither;    |
+//!   |<-- Error(Rejected) |   a rejected request ends here: no worker hears of it |
 //!   |                    |-- DecodeReserve(owner) ------->|                      |
 //!   |                    |<--------- DecodeReserved ------|                      |
 //!   |                    |-- PrefillRun(owner, prompt) ------------------------->|
 //!   |                    |<------------------------ PrefillDone(manifest) -------|
 //!   |                    |-- PullKv(manifest) ----------->|                      |
-//!   |                    |         decoded copies the pages from the prefill pool
-//!   |                    |         (mapped from the PrefillPool fd) and checks the
-//!   |                    |         crc32c of every page before any attention
+//!   |                    |         decoded copies the manifest's pages from the
+//!   |                    |         prefill pool (read-only, from PrefillPool) into
+//!   |                    |         its own reservation, then verifies coverage and
+//!   |                    |         the crc32c of every page before any attention
 //!   |                    |<------------- PullDone(owner) -|                      |
 //!   |                    |-- Release(owner) ------------------------------------>|
+//!   |                    |<------------------------------ Freed(owner) ----------|
 //!   |<-- Tokens ---------|<------------- Tokens ----------|                      |
 //!   |<-- Done -----------|<------------- Done ------------|                      |
-//!   |                    |-- Release(owner) ------------->|                      |
+//!   |                    |<------------- Freed(owner) ----|                      |
 //! ```
 //!
 //! Frames about a request carry its [`RequestId`] in the header; the client's `Submit`
-//! carries 0 and kvctld answers with the id it assigned. On failure kvctld sends `Abort`
-//! to the workers holding pages of the owner and `Error` to the client. Workers send
+//! carries 0 and kvctld answers with the id it assigned. Every stage has a deadline. On
+//! failure kvctld sends `Error` to the client and `Abort` to each worker told of the owner.
+//! A worker sends exactly one `Freed` per owner it was told of by `DecodeReserve` or
+//! `PrefillRun` (0 pages when it reserved none), and only once no writer can touch the
+//! pages: kvctld lends ledger pages back on `Freed`, never earlier. Workers send
 //! `PoolReport` when their page counts change; `StatusQuery` / `StatusReply` serve kvctl.
 
 use crate::geometry::PageGeometry;
