@@ -9,6 +9,7 @@ pub mod admission;
 pub mod config;
 pub mod geometry;
 pub mod ids;
+pub mod link;
 pub mod memory;
 pub mod model;
 pub mod pool;
