@@ -1,1 +1,5 @@
+//! kvctld, the control daemon, and the pieces kvctl shares with it.
 
+pub mod client;
+pub mod ctl;
+pub mod stack;
