@@ -1,1 +1,698 @@
+//! prefilld: the prefill worker of kvfence.
+//!
+//! It owns a page pool on a sealed memfd, registers a read-only re-open of that memfd with
+//! kvctld (so that decoded can pull pages, never write them), and for each `PrefillRun`
+//! reserves pages for the owner, computes the prompt's KV into them with the reference model
+//! and answers with a manifest (pages and crc32c digests). It keeps the pages until kvctld
+//! sends `Release` or `Abort`, or until the request deadline passes, then reports `Freed`
+//! and a `PoolReport`.
+//!
+//! Everything runs on one mio event loop ([`link::serve`]); a prefill is short and runs on
+//! the loop thread.
 
+use libkv::link;
+
+use libkv::config::{Backend, Config};
+use libkv::memory::HostMemory;
+use libkv::model::{ModelError, ModelRunner, ReferenceModel, tokenize};
+use libkv::pool::{PagePool, PoolError, PoolOptions, Reservation};
+use libkv::proto::{
+    self, ErrorCode, Freed, Header, Message, PoolReport, PrefillDone, PrefillRun, RegisterAck,
+    RegisterWorker, Role, Transport,
+};
+use libkv::verify::{Manifest, page_digest};
+use libkv::{Generation, Owner, RequestId};
+use link::{Link, Worker};
+use log::debug;
+use mio::{Poll, Waker};
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+pub use link::{LinkError, RunOptions, Shutdown};
+
+/// Exit code: stopped cleanly.
+pub const EXIT_OK: u8 = 0;
+/// Exit code: a runtime failure.
+pub const EXIT_RUNTIME: u8 = 1;
+/// Exit code: the configuration is invalid or cannot run in this build.
+pub const EXIT_CONFIG: u8 = 2;
+
+/// Why prefilld stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The configured pool backend is not compiled in.
+    #[error("backend {backend} is not available in this build")]
+    BackendUnavailable { backend: &'static str },
+    /// The page geometry cannot run the reference model.
+    #[error("the page geometry cannot run the reference model")]
+    Model(#[source] ModelError),
+    /// Creating the pool's shared memory failed.
+    #[error("creating {bytes} bytes of pool memory")]
+    Memory {
+        bytes: u64,
+        #[source]
+        source: io::Error,
+    },
+    /// Re-opening the pool memory read-only failed.
+    #[error("re-opening the pool memory read-only")]
+    ReadOnlyFd(#[source] io::Error),
+    /// Creating the page pool failed.
+    #[error("creating the page pool")]
+    Pool(#[source] PoolError),
+    /// The event loop failed.
+    #[error("event loop")]
+    EventLoop(#[from] LinkError),
+}
+
+impl WorkerError {
+    /// Whether the error is the configuration's (exit [`EXIT_CONFIG`]) rather than the
+    /// system's (exit [`EXIT_RUNTIME`]).
+    pub fn is_config(&self) -> bool {
+        matches!(
+            self,
+            WorkerError::BackendUnavailable { .. } | WorkerError::Model(_)
+        )
+    }
+
+    /// The documented exit code for this error.
+    pub fn exit_code(&self) -> u8 {
+        if self.is_config() {
+            EXIT_CONFIG
+        } else {
+            EXIT_RUNTIME
+        }
+    }
+}
+
+/// `error: cause: cause...`, the whole chain on one line.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// Counters reported in every `PoolReport` (names from the request flow).
+#[derive(Debug, Default)]
+struct Counters {
+    frames_received: Arc<AtomicU64>,
+    prefill_runs: AtomicU64,
+    pages_written: AtomicU64,
+    aborts: AtomicU64,
+    freed_pages: AtomicU64,
+}
+
+impl Counters {
+    fn snapshot(&self) -> Vec<(String, u64)> {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        [
+            ("frames_received", get(&self.frames_received)),
+            ("prefill_runs", get(&self.prefill_runs)),
+            ("pages_written", get(&self.pages_written)),
+            ("aborts", get(&self.aborts)),
+            ("freed_pages", get(&self.freed_pages)),
+        ]
+        .into_iter()
+        .map(|(n, v)| (n.to_owned(), v))
+        .collect()
+    }
+}
+
+fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// Pages kept for an owner until Release, Abort or `expires`.
+#[derive(Debug)]
+struct Held {
+    res: Reservation,
+    expires: Instant,
+}
+
+/// The prefill worker's state, driven by the event loop.
+#[derive(Debug)]
+struct Prefill {
+    pool: PagePool,
+    model: ReferenceModel,
+    counters: Counters,
+    held: HashMap<Owner, Held>,
+    generation: Option<Generation>,
+    max_context: u32,
+    hold_for: Duration,
+}
+
+/// Runs prefilld until SIGTERM/SIGINT or `opts.shutdown`.
+pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
+    if cfg.prefill.backend == Backend::Cuda {
+        return Err(WorkerError::BackendUnavailable { backend: "cuda" });
+    }
+    let model = ReferenceModel::new(cfg.geometry).map_err(WorkerError::Model)?;
+    let bytes = cfg.prefill.pool_bytes(&cfg.geometry);
+    let memory = HostMemory::new(c"kvfence-prefill", bytes)
+        .map_err(|source| WorkerError::Memory { bytes, source })?;
+    let ro_fd = memory.read_only_fd().map_err(WorkerError::ReadOnlyFd)?;
+    let pool = PagePool::new(
+        cfg.geometry,
+        cfg.prefill.pool_pages,
+        Box::new(memory),
+        PoolOptions {
+            poison: cfg.prefill.poison,
+            scrub: cfg.prefill.scrub,
+        },
+    )
+    .map_err(WorkerError::Pool)?;
+
+    let poll = Poll::new().map_err(LinkError::Setup)?;
+    let waker = Arc::new(Waker::new(poll.registry(), link::WAKER).map_err(LinkError::Setup)?);
+    let counters = Counters::default();
+    let link = Link::new(
+        cfg.control.socket.clone(),
+        RegisterWorker {
+            role: Role::Prefill,
+            geometry: cfg.geometry,
+            pool_pages: cfg.prefill.pool_pages,
+            transports: vec![Transport::Shm],
+        },
+        Some(ro_fd),
+        cfg.deadlines.bootstrap(),
+        Arc::clone(&counters.frames_received),
+    );
+    let mut worker = Prefill {
+        pool,
+        model,
+        counters,
+        held: HashMap::new(),
+        generation: None,
+        max_context: cfg.limits.max_context,
+        hold_for: cfg.deadlines.request(),
+    };
+    link::serve(poll, waker, link, &mut worker, &opts)?;
+    Ok(())
+}
+
+/// Cuts `s` to at most [`proto::MAX_TEXT_BYTES`] on a character boundary.
+fn text(s: String) -> String {
+    if s.len() <= proto::MAX_TEXT_BYTES {
+        return s;
+    }
+    let mut end = proto::MAX_TEXT_BYTES;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_owned()
+}
+
+/// Answers `Error{code, message}` for request `id`.
+fn refuse(link: &mut Link, id: RequestId, code: ErrorCode, message: String) {
+    debug!("refusing {id}: {code}: {message}");
+    link.send(
+        id,
+        proto::Error {
+            code,
+            message: text(message),
+        },
+    );
+}
+
+fn pool_error_code(e: &PoolError) -> ErrorCode {
+    match e {
+        PoolError::Full { .. } => ErrorCode::PoolFull,
+        PoolError::NeverFits { .. } => ErrorCode::BadRequest,
+        _ => ErrorCode::Internal,
+    }
+}
+
+fn page_count(res: &Reservation) -> u32 {
+    u32::try_from(res.pages().len()).unwrap_or(u32::MAX)
+}
+
+impl Prefill {
+    /// Refuses an owner of another generation, or one that is not the frame's request.
+    fn check_owner(&self, id: RequestId, owner: Owner) -> Result<(), String> {
+        match self.generation {
+            Some(g) if g == owner.generation => {}
+            Some(g) => {
+                return Err(format!(
+                    "owner {owner} is not of the current generation {}",
+                    g.0
+                ));
+            }
+            None => return Err("not registered".to_owned()),
+        }
+        if owner.request != id {
+            return Err(format!("frame for {id} names owner {owner}"));
+        }
+        Ok(())
+    }
+
+    fn report(&self, link: &mut Link) {
+        let u = self.pool.usage();
+        link.send(
+            RequestId(0),
+            PoolReport {
+                free: u.free,
+                reserved: u.reserved,
+                writing: u.writing,
+                readable: u.readable,
+                draining: u.draining,
+                counters: self.counters.snapshot(),
+            },
+        );
+    }
+
+    /// Reports pages that are back on the free list (the reservation was dropped and no
+    /// writer exists: prefill's only writer is the loop itself).
+    fn freed(&self, link: &mut Link, owner: Owner, pages: u32) {
+        add(&self.counters.freed_pages, u64::from(pages));
+        link.send(owner.request, Freed { owner, pages });
+        self.report(link);
+    }
+
+    fn prefill(&mut self, link: &mut Link, id: RequestId, run: PrefillRun) {
+        let owner = run.owner;
+        if let Err(reason) = self.check_owner(id, owner) {
+            return refuse(link, id, ErrorCode::BadRequest, reason);
+        }
+        if self.held.contains_key(&owner) {
+            let reason = format!("duplicate PrefillRun for {owner}");
+            return refuse(link, id, ErrorCode::BadRequest, reason);
+        }
+        let tokens = tokenize(&run.prompt);
+        let n = match u32::try_from(tokens.len()) {
+            Ok(n) if n <= self.max_context => n,
+            _ => {
+                let reason = format!(
+                    "prompt of {} tokens exceeds max_context {}",
+                    tokens.len(),
+                    self.max_context
+                );
+                refuse(link, id, ErrorCode::BadRequest, reason);
+                // One Freed per owner kvctld told us of, even with nothing reserved.
+                return self.freed(link, owner, 0);
+            }
+        };
+        let mut res = match self.pool.reserve(owner, n, u64::from(n)) {
+            Ok(res) => res,
+            Err(e) => {
+                let reason = format!("reserving prefill pages: {e}");
+                refuse(link, id, pool_error_code(&e), reason);
+                return self.freed(link, owner, 0);
+            }
+        };
+        match self.write_kv(&mut res, &tokens) {
+            Ok((pages, digests)) => {
+                debug!("prefilled {owner}: {n} tokens in {} pages", pages.len());
+                add(&self.counters.prefill_runs, 1);
+                add(&self.counters.pages_written, pages.len() as u64);
+                let manifest = Manifest {
+                    owner,
+                    tokens: n,
+                    pages,
+                    digests,
+                };
+                self.held.insert(
+                    owner,
+                    Held {
+                        res,
+                        expires: Instant::now() + self.hold_for,
+                    },
+                );
+                link.send(id, PrefillDone { manifest });
+                self.report(link);
+            }
+            Err(e) => {
+                let pages = page_count(&res);
+                drop(res);
+                refuse(link, id, ErrorCode::Internal, format!("prefill: {e}"));
+                self.freed(link, owner, pages);
+            }
+        }
+    }
+
+    /// Computes the prompt's KV into the reservation's pages; returns the pages written and
+    /// the digest of each (over the full page). The write grant ends before this returns.
+    fn write_kv(
+        &self,
+        res: &mut Reservation,
+        tokens: &[u32],
+    ) -> Result<(Vec<libkv::PageId>, Vec<u32>), ModelError> {
+        let mut grant = res.grant_write().map_err(ModelError::Pool)?;
+        self.model.prefill(tokens, &mut grant)?;
+        let digests = (0..grant.pages().len())
+            .map(|i| grant.page_mut(i).map(|p| page_digest(p)))
+            .collect::<Result<Vec<u32>, PoolError>>()
+            .map_err(ModelError::Pool)?;
+        Ok((grant.pages().to_vec(), digests))
+    }
+
+    /// Release or Abort: drops the owner's pages and reports them freed.
+    fn release(&mut self, link: &mut Link, id: RequestId, owner: Owner, abort: bool) {
+        if let Err(reason) = self.check_owner(id, owner) {
+            if abort {
+                // Abort for an owner this worker cannot hold is ignored (request flow, 8).
+                debug!("ignoring Abort for {owner}: {reason}");
+            } else {
+                refuse(link, id, ErrorCode::BadRequest, reason);
+            }
+            return;
+        }
+        if abort {
+            add(&self.counters.aborts, 1);
+        }
+        let Some(held) = self.held.remove(&owner) else {
+            debug!("nothing held for {owner}; ignoring");
+            return;
+        };
+        let pages = page_count(&held.res);
+        drop(held);
+        debug!("released {owner} ({pages} pages)");
+        self.freed(link, owner, pages);
+    }
+}
+
+impl Worker for Prefill {
+    fn can_register(&self) -> bool {
+        self.held.is_empty() && self.pool.usage().free == self.pool.pages()
+    }
+
+    fn on_registered(&mut self, link: &mut Link, ack: &RegisterAck) {
+        self.generation = Some(ack.generation);
+        self.max_context = ack.max_context;
+        self.report(link);
+    }
+
+    fn on_frame(&mut self, link: &mut Link, header: Header, msg: Message, _fds: Vec<OwnedFd>) {
+        let id = header.request_id;
+        match msg {
+            Message::PrefillRun(run) => self.prefill(link, id, run),
+            Message::Release(m) => self.release(link, id, m.owner, false),
+            Message::Abort(m) => self.release(link, id, m.owner, true),
+            Message::Error(e) => debug!("kvctld reported for {id}: {}: {}", e.code, e.message),
+            other => {
+                let reason = format!("{:?} is not for a prefill worker", other.msg_type());
+                refuse(link, id, ErrorCode::BadRequest, reason);
+            }
+        }
+    }
+
+    fn on_lost(&mut self) {
+        // The connection is gone: nobody will Release these pages.
+        self.held.clear();
+        self.generation = None;
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        self.held.values().map(|h| h.expires).min()
+    }
+
+    fn expire(&mut self, link: &mut Link, now: Instant) {
+        let expired: Vec<Owner> = self
+            .held
+            .iter()
+            .filter(|(_, h)| h.expires <= now)
+            .map(|(o, _)| *o)
+            .collect();
+        for owner in expired {
+            if let Some(held) = self.held.remove(&owner) {
+                let pages = page_count(&held.res);
+                drop(held);
+                debug!("request deadline passed for {owner}; freed {pages} pages");
+                self.freed(link, owner, pages);
+            }
+        }
+    }
+
+    fn shutdown(&mut self, link: &mut Link) {
+        let owners: Vec<Owner> = self.held.keys().copied().collect();
+        for owner in owners {
+            if let Some(held) = self.held.remove(&owner) {
+                let pages = page_count(&held.res);
+                drop(held);
+                self.freed(link, owner, pages);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod testkit;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testkit::{Daemon, FakeKvctld, GEN, counter, owner, test_config};
+    use libkv::memory::ForeignPool;
+    use libkv::proto::{Abort, DecodeReserve, Release};
+    use libkv::sys::memfd;
+    use std::io::Write;
+    use std::os::fd::AsFd;
+
+    const PROMPT: &[u8] = b"the quick brown fox jumps over the lazy dog";
+
+    fn run_msg(request: u64, prompt: &[u8]) -> PrefillRun {
+        PrefillRun {
+            owner: owner(request),
+            prompt: prompt.to_vec(),
+        }
+    }
+
+    fn expect_error(msg: Message, code: ErrorCode) -> String {
+        match msg {
+            Message::Error(e) if e.code == code => e.message,
+            other => panic!("expected Error {code}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn prefill_writes_digested_pages_and_release_frees_them() {
+        let kvctld = FakeKvctld::new();
+        let cfg = test_config(kvctld.socket.clone());
+        let daemon = Daemon::start(cfg.clone());
+        let mut peer = kvctld.accept();
+        let (reg, fd) = peer.handshake(&cfg);
+        assert_eq!(reg.role, Role::Prefill);
+        assert_eq!(reg.geometry, cfg.geometry);
+        assert_eq!(reg.pool_pages, cfg.prefill.pool_pages);
+        let fd = fd.expect("prefill registers its pool fd");
+        assert!(
+            !memfd::is_writable(&fd).unwrap(),
+            "the pool fd is read-only"
+        );
+
+        peer.send(RequestId(1), run_msg(1, PROMPT));
+        let (h, msg) = peer.next();
+        assert_eq!(h.request_id, RequestId(1));
+        let Message::PrefillDone(PrefillDone { manifest }) = msg else {
+            panic!("expected PrefillDone, got {msg:?}");
+        };
+        let n = u32::try_from(PROMPT.len()).unwrap();
+        assert_eq!(manifest.owner, owner(1));
+        assert_eq!(manifest.tokens, n);
+        let pages = cfg.geometry.pages_for_tokens(u64::from(n));
+        assert_eq!(manifest.pages.len() as u64, pages);
+        // The digests are those of the pages as decoded would see them through the fd.
+        let page_bytes = cfg.geometry.bytes_per_page();
+        let foreign = ForeignPool::map(fd.as_fd(), page_bytes, cfg.prefill.pool_pages).unwrap();
+        let mut buf = vec![0u8; usize::try_from(page_bytes).unwrap()];
+        for (p, d) in manifest.pages.iter().zip(&manifest.digests) {
+            foreign.copy_page(*p, &mut buf).unwrap();
+            assert_eq!(page_digest(&buf), *d);
+        }
+        let report = peer.pool_report();
+        assert_eq!(u64::from(report.reserved), pages);
+
+        peer.send(RequestId(1), Release { owner: owner(1) });
+        let (h, msg) = peer.next();
+        assert_eq!(h.request_id, RequestId(1));
+        assert_eq!(
+            msg,
+            Message::Freed(Freed {
+                owner: owner(1),
+                pages: u32::try_from(pages).unwrap()
+            })
+        );
+        let report = peer.pool_report();
+        assert_eq!(report.free, cfg.prefill.pool_pages);
+        assert_eq!(counter(&report, "prefill_runs"), 1);
+        assert_eq!(counter(&report, "pages_written"), pages);
+        assert_eq!(counter(&report, "freed_pages"), pages);
+        assert_eq!(counter(&report, "frames_received"), 4);
+        // A second Release of the same owner is ignored: one Freed per owner.
+        peer.send(RequestId(1), Release { owner: owner(1) });
+        daemon.stop().unwrap();
+        peer.expect_closed();
+    }
+
+    #[test]
+    fn untrusted_frames_get_errors_and_abort_frees() {
+        let kvctld = FakeKvctld::new();
+        let cfg = test_config(kvctld.socket.clone());
+        let daemon = Daemon::start(cfg.clone());
+        let mut peer = kvctld.accept();
+        peer.handshake(&cfg);
+
+        // Another generation.
+        let stale = Owner {
+            request: RequestId(2),
+            generation: Generation(GEN.0 + 1),
+        };
+        peer.send(
+            RequestId(2),
+            PrefillRun {
+                owner: stale,
+                prompt: PROMPT.to_vec(),
+            },
+        );
+        let reason = expect_error(peer.next().1, ErrorCode::BadRequest);
+        assert!(reason.contains("generation"), "{reason}");
+        // A frame id that is not the owner's request.
+        peer.send(RequestId(3), run_msg(2, PROMPT));
+        expect_error(peer.next().1, ErrorCode::BadRequest);
+        // A prompt over max_context.
+        peer.send(RequestId(4), run_msg(4, &vec![b'x'; 257]));
+        expect_error(peer.next().1, ErrorCode::BadRequest);
+        // Nothing was reserved, and kvctld hears so: one Freed of 0 pages.
+        assert!(matches!(peer.next().1, Message::Freed(f) if f.owner == owner(4) && f.pages == 0));
+        // A message for the other role.
+        peer.send(
+            RequestId(5),
+            DecodeReserve {
+                owner: owner(5),
+                prompt_tokens: 1,
+                max_new_tokens: 1,
+            },
+        );
+        expect_error(peer.next().1, ErrorCode::BadRequest);
+
+        // A good request, then a duplicate of it, then Abort.
+        peer.send(RequestId(2), run_msg(2, PROMPT));
+        assert!(matches!(peer.next().1, Message::PrefillDone(_)));
+        peer.send(RequestId(2), run_msg(2, PROMPT));
+        let reason = expect_error(peer.next().1, ErrorCode::BadRequest);
+        assert!(reason.contains("duplicate"), "{reason}");
+        // Release of a stale owner is refused, Abort of an unknown one ignored.
+        peer.send(RequestId(2), Release { owner: stale });
+        expect_error(peer.next().1, ErrorCode::BadRequest);
+        peer.send(
+            RequestId(9),
+            Abort {
+                owner: owner(9),
+                code: ErrorCode::Timeout,
+                reason: "test".into(),
+            },
+        );
+        peer.send(
+            RequestId(2),
+            Abort {
+                owner: owner(2),
+                code: ErrorCode::Timeout,
+                reason: "test".into(),
+            },
+        );
+        let (h, msg) = peer.next();
+        assert_eq!(h.request_id, RequestId(2));
+        assert!(matches!(msg, Message::Freed(Freed { owner: o, pages: 3 }) if o == owner(2)));
+        let report = peer.pool_report();
+        assert_eq!(report.free, cfg.prefill.pool_pages);
+        assert_eq!(counter(&report, "aborts"), 2);
+        assert_eq!(counter(&report, "prefill_runs"), 1);
+        daemon.stop().unwrap();
+    }
+
+    #[test]
+    fn request_deadline_frees_unreleased_pages() {
+        let kvctld = FakeKvctld::new();
+        let mut cfg = test_config(kvctld.socket.clone());
+        cfg.deadlines.bootstrap = 100;
+        cfg.deadlines.transfer = 100;
+        cfg.deadlines.request = 300;
+        cfg.validate().unwrap();
+        let daemon = Daemon::start(cfg.clone());
+        let mut peer = kvctld.accept();
+        peer.handshake(&cfg);
+        let start = Instant::now();
+        peer.send(RequestId(1), run_msg(1, PROMPT));
+        assert!(matches!(peer.next().1, Message::PrefillDone(_)));
+        assert!(matches!(peer.next().1, Message::Freed(f) if f.owner == owner(1)));
+        assert!(start.elapsed() >= Duration::from_millis(300));
+        assert_eq!(peer.pool_report().free, cfg.prefill.pool_pages);
+        daemon.stop().unwrap();
+    }
+
+    #[test]
+    fn waits_for_kvctld_and_reconnects_after_drop_or_bad_frame() {
+        let mut kvctld = FakeKvctld::unbound();
+        let cfg = test_config(kvctld.socket.clone());
+        let daemon = Daemon::start(cfg.clone());
+        // kvctld is not there yet: the worker keeps retrying.
+        std::thread::sleep(Duration::from_millis(350));
+        kvctld.bind();
+        let mut peer = kvctld.accept();
+        peer.handshake(&cfg);
+        peer.send(RequestId(1), run_msg(1, PROMPT));
+        assert!(matches!(peer.next().1, Message::PrefillDone(_)));
+
+        // kvctld goes away while pages are held: they are dropped, and the worker registers
+        // again with an empty pool (handshake checks the PoolReport).
+        drop(peer);
+        let mut peer = kvctld.accept();
+        peer.handshake(&cfg);
+
+        // A frame that fails validation is fatal for the connection.
+        peer.stream.write_all(&[0xAB; 24]).unwrap();
+        peer.expect_closed();
+        let mut peer = kvctld.accept();
+        peer.handshake(&cfg);
+
+        // kvctld refusing the Hello: the worker retries later.
+        drop(peer);
+        let mut peer = kvctld.accept();
+        let _hello = peer.recv();
+        peer.send(
+            RequestId(0),
+            proto::Error {
+                code: ErrorCode::Unauthorized,
+                message: "not allowed".into(),
+            },
+        );
+        peer.expect_closed();
+        let mut peer = kvctld.accept();
+        peer.handshake(&cfg);
+        daemon.stop().unwrap();
+    }
+
+    #[test]
+    fn cuda_backend_is_a_config_error() {
+        let mut cfg = test_config("/nonexistent/kvctld.sock".into());
+        cfg.prefill.backend = Backend::Cuda;
+        let err = run(cfg, RunOptions::default()).unwrap_err();
+        assert_eq!(err.exit_code(), EXIT_CONFIG);
+        assert_eq!(
+            error_chain(&err),
+            "backend cuda is not available in this build"
+        );
+    }
+
+    #[test]
+    fn stop_frees_held_pages_and_exits_ok() {
+        let kvctld = FakeKvctld::new();
+        let cfg = test_config(kvctld.socket.clone());
+        let daemon = Daemon::start(cfg.clone());
+        let mut peer = kvctld.accept();
+        peer.handshake(&cfg);
+        peer.send(RequestId(1), run_msg(1, PROMPT));
+        assert!(matches!(peer.next().1, Message::PrefillDone(_)));
+        daemon.stop().unwrap();
+        assert!(matches!(peer.next().1, Message::Freed(f) if f.owner == owner(1)));
+        assert_eq!(peer.pool_report().free, cfg.prefill.pool_pages);
+        peer.expect_closed();
+    }
+}

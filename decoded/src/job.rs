@@ -1,0 +1,300 @@
+//! Pull, verify and decode jobs, run on a small fixed pool of threads.
+//!
+//! A job owns its request's [`Reservation`] and a cancel flag. It checks the flag and its
+//! deadline between pages and between decode steps, sends its frames (already encoded) back
+//! to the event loop over a channel and wakes it, and ends with [`JobEvent::Ended`] once
+//! everything it held is dropped, so the pages are back on the free list when the loop
+//! reports them `Freed`.
+
+use crate::Counters;
+use crossbeam::channel::{Receiver, Sender};
+use libkv::Owner;
+use libkv::memory::ForeignPool;
+use libkv::model::{ModelRunner, ReferenceModel};
+use libkv::pool::Reservation;
+use libkv::proto::{Done, Error, ErrorCode, Message, PullDone, Tokens};
+use libkv::verify::Manifest;
+use log::debug;
+use mio::Waker;
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Tokens per `Tokens` frame (the last frame may hold fewer).
+pub(crate) const TOKENS_PER_FRAME: usize = 8;
+
+/// One request's pull, verification and decode.
+#[derive(Debug)]
+pub(crate) struct Job {
+    pub owner: Owner,
+    pub res: Reservation,
+    pub manifest: Manifest,
+    pub max_new_tokens: u32,
+    pub cancel: Arc<AtomicBool>,
+    /// When the pages were reserved (for `Done::elapsed_us`).
+    pub since: Instant,
+    /// Longest the pull may take.
+    pub transfer: Duration,
+    /// Longest decoding may take.
+    pub decode: Duration,
+    /// The request's own deadline; caps both.
+    pub request_deadline: Instant,
+    pub foreign: Arc<ForeignPool>,
+    /// The connection the job belongs to; frames of an older one are discarded.
+    pub epoch: u64,
+}
+
+/// What jobs send the event loop.
+#[derive(Debug)]
+pub(crate) enum JobEvent {
+    /// A frame for kvctld, encoded.
+    Frame { epoch: u64, bytes: Vec<u8> },
+    /// The job is over and everything it held is dropped: `pages` pages are free again.
+    Ended {
+        epoch: u64,
+        owner: Owner,
+        pages: u32,
+    },
+}
+
+/// What every job shares.
+#[derive(Debug)]
+pub(crate) struct JobContext {
+    pub model: ReferenceModel,
+    pub counters: Arc<Counters>,
+    pub events: Sender<JobEvent>,
+    pub waker: Arc<Waker>,
+}
+
+/// A fixed pool of job threads fed by a channel. Dropping it closes the channel and joins
+/// the threads (each finishes its current job first).
+#[derive(Debug)]
+pub(crate) struct JobPool {
+    tx: Option<Sender<Job>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl JobPool {
+    pub(crate) fn start(threads: usize, ctx: Arc<JobContext>) -> io::Result<JobPool> {
+        let (tx, rx) = crossbeam::channel::unbounded::<Job>();
+        let mut pool = JobPool {
+            tx: Some(tx),
+            threads: Vec::with_capacity(threads),
+        };
+        for i in 0..threads {
+            let (rx, ctx): (Receiver<Job>, _) = (rx.clone(), Arc::clone(&ctx));
+            let handle = std::thread::Builder::new()
+                .name(format!("decoded-job-{i}"))
+                .spawn(move || {
+                    for job in rx {
+                        run_job(&ctx, job);
+                    }
+                })?;
+            pool.threads.push(handle);
+        }
+        Ok(pool)
+    }
+
+    /// Queues a job; gives it back if the threads are gone.
+    pub(crate) fn submit(&self, job: Job) -> Result<(), Box<Job>> {
+        match &self.tx {
+            Some(tx) => tx.send(job).map_err(|e| Box::new(e.into_inner())),
+            None => Err(Box::new(job)),
+        }
+    }
+}
+
+impl Drop for JobPool {
+    fn drop(&mut self) {
+        self.tx = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Why a job stopped early.
+#[derive(Debug)]
+enum Stop {
+    /// Its cancel flag was set (Abort, disconnect, shutdown): nothing to report.
+    Cancelled,
+    /// It failed: report `Error{code, message}`.
+    Failed { code: ErrorCode, message: String },
+}
+
+fn failed(code: ErrorCode, message: String) -> Stop {
+    Stop::Failed { code, message }
+}
+
+fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+fn run_job(ctx: &JobContext, job: Job) {
+    let (owner, epoch) = (job.owner, job.epoch);
+    let pages = u32::try_from(job.res.pages().len()).unwrap_or(u32::MAX);
+    let emit = |msg: Message| match msg.encode(owner.request) {
+        Ok(bytes) => {
+            let _ = ctx.events.send(JobEvent::Frame { epoch, bytes });
+            let _ = ctx.waker.wake();
+        }
+        Err(e) => debug!("cannot encode a frame for {owner}: {e}"),
+    };
+    // `execute` consumes the job: its grant, reservation and verified pages are all dropped
+    // (pages back on the free list) before `Ended` is sent.
+    match execute(ctx, job, &emit) {
+        Ok(()) => debug!("{owner} done"),
+        Err(Stop::Cancelled) => debug!("{owner} cancelled"),
+        Err(Stop::Failed { code, message }) => {
+            debug!("{owner} failed: {code}: {message}");
+            emit(Message::from(Error {
+                code,
+                message: crate::text(message),
+            }));
+        }
+    }
+    let _ = ctx.events.send(JobEvent::Ended {
+        epoch,
+        owner,
+        pages,
+    });
+    let _ = ctx.waker.wake();
+}
+
+fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Stop> {
+    let Job {
+        owner,
+        mut res,
+        manifest,
+        max_new_tokens,
+        cancel,
+        since,
+        transfer,
+        decode,
+        request_deadline,
+        foreign,
+        ..
+    } = job;
+    let check = |deadline: Instant, what: &str| {
+        if cancel.load(Ordering::Acquire) {
+            Err(Stop::Cancelled)
+        } else if Instant::now() >= deadline {
+            Err(failed(
+                ErrorCode::Timeout,
+                format!("{what} of {owner} passed its deadline"),
+            ))
+        } else {
+            Ok(())
+        }
+    };
+    let counters = &ctx.counters;
+    let pull_deadline = (Instant::now() + transfer).min(request_deadline);
+    check(pull_deadline, "pull")?;
+
+    // The manifest is untrusted: it may name only pages of the prefill pool, and no more
+    // than the reservation's prompt pages (the targets are the reservation's own pages).
+    let prompt_pages = res.prompt_pages();
+    if manifest.pages.len() > prompt_pages {
+        return Err(failed(
+            ErrorCode::BadRequest,
+            format!(
+                "manifest lists {} pages, the reservation holds {prompt_pages} prompt pages",
+                manifest.pages.len()
+            ),
+        ));
+    }
+    if let Some(p) = manifest.pages.iter().find(|p| p.0 >= foreign.pages()) {
+        return Err(failed(
+            ErrorCode::BadRequest,
+            format!(
+                "manifest names {p}, outside the prefill pool of {} pages",
+                foreign.pages()
+            ),
+        ));
+    }
+    let page_bytes = res.pool().page_bytes() as u64;
+    if foreign.page_bytes() != page_bytes {
+        return Err(failed(
+            ErrorCode::Internal,
+            format!(
+                "prefill pages are {} bytes, decode pages {page_bytes}",
+                foreign.page_bytes()
+            ),
+        ));
+    }
+    {
+        let internal = |e: libkv::pool::PoolError| failed(ErrorCode::Internal, e.to_string());
+        let mut grant = res.grant_write().map_err(internal)?;
+        for (i, &page) in manifest.pages.iter().enumerate() {
+            check(pull_deadline, "pull")?;
+            let dst = grant.page_mut(i).map_err(internal)?;
+            foreign.copy_page(page, dst).ok_or_else(|| {
+                failed(ErrorCode::BadRequest, format!("cannot copy prefill {page}"))
+            })?;
+            add(&counters.pages_pulled, 1);
+            add(&counters.bytes_pulled, page_bytes);
+        }
+    }
+    let mut kv = match res.verify(&manifest) {
+        Ok(kv) => kv,
+        Err(e) => {
+            add(&counters.verify_failed, 1);
+            return Err(failed(ErrorCode::VerifyFailed, e.to_string()));
+        }
+    };
+    add(&counters.verified, 1);
+    emit(PullDone { owner }.into());
+
+    let decode_deadline = (Instant::now() + decode).min(request_deadline);
+    let model: &dyn ModelRunner = &ctx.model;
+    let internal = |e: libkv::model::ModelError| failed(ErrorCode::Internal, e.to_string());
+    let mut batch = Vec::with_capacity(TOKENS_PER_FRAME);
+    let mut first_index = 0u32;
+    for step in 0..max_new_tokens {
+        check(decode_deadline, "decode")?;
+        let token = model
+            .next_token(&kv, step, manifest.tokens)
+            .map_err(internal)?;
+        let pos = kv.tokens();
+        kv.append(|page, slot| model.write_token(page, slot, token, pos))
+            .map_err(|e| failed(ErrorCode::Internal, e.to_string()))?;
+        add(&counters.tokens_generated, 1);
+        batch.push(token);
+        if batch.len() == TOKENS_PER_FRAME {
+            let tokens = std::mem::replace(&mut batch, Vec::with_capacity(TOKENS_PER_FRAME));
+            emit(
+                Tokens {
+                    first_index,
+                    tokens,
+                }
+                .into(),
+            );
+            first_index = step + 1;
+        }
+    }
+    if !batch.is_empty() {
+        emit(
+            Tokens {
+                first_index,
+                tokens: batch,
+            }
+            .into(),
+        );
+    }
+    let signature = model.signature(&kv);
+    let pages = u32::try_from(manifest.pages.len()).unwrap_or(u32::MAX);
+    emit(
+        Done {
+            tokens: max_new_tokens,
+            signature,
+            pages_transferred: pages,
+            bytes_transferred: u64::from(pages) * page_bytes,
+            elapsed_us: u64::try_from(since.elapsed().as_micros()).unwrap_or(u64::MAX),
+        }
+        .into(),
+    );
+    drop(kv);
+    Ok(())
+}
