@@ -572,7 +572,12 @@ pub trait Worker {
 fn dispatch(link: &mut Link, worker: &mut impl Worker, out: &mut Vec<LinkEvent>) {
     for event in std::mem::take(out) {
         match event {
-            LinkEvent::Registered(ack) => worker.on_registered(link, &ack),
+            LinkEvent::Registered(ack) => {
+                worker.on_registered(link, &ack);
+                // Readiness for the service manager: the pool is allocated, registered with
+                // kvctld and serving. Harmless without one (no NOTIFY_SOCKET).
+                let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
+            }
             LinkEvent::Frame(header, msg, fds) => worker.on_frame(link, header, msg, fds),
             LinkEvent::Lost => worker.on_lost(),
         }
@@ -655,6 +660,7 @@ pub fn serve(
             break;
         }
     }
+    let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
     worker.shutdown(&mut link);
     link.close(poll.registry());
     if let Some(mut s) = signals {
