@@ -32,6 +32,7 @@ use std::io::{self, IoSlice};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -75,6 +76,9 @@ pub struct Counters {
     bytes_transferred: AtomicU64,
     protocol_errors: AtomicU64,
     unauthorized: AtomicU64,
+    probe_runs: AtomicU64,
+    probe_mismatches: AtomicU64,
+    probe_errors: AtomicU64,
 }
 
 impl Counters {
@@ -97,6 +101,9 @@ impl Counters {
             c("bytes_transferred", &self.bytes_transferred),
             c("protocol_errors", &self.protocol_errors),
             c("unauthorized", &self.unauthorized),
+            c("probe_runs", &self.probe_runs),
+            c("probe_mismatches", &self.probe_mismatches),
+            c("probe_errors", &self.probe_errors),
         ]
     }
 }
@@ -188,7 +195,7 @@ struct Ctl {
     held: HashMap<RequestId, Held>,
     queue: VecDeque<RequestId>,
     next_id: u64,
-    counters: Counters,
+    counters: Arc<Counters>,
     own_uid: u32,
     draining_since: Option<Instant>,
     /// The listening socket came from the service manager, which owns its file.
@@ -205,7 +212,57 @@ pub fn run(cfg: Config) -> Result<(), CtlError> {
     };
     let mut ctl = Ctl::new(cfg, listener)?;
     ctl.activated = activated;
+    if let Some(every) = ctl.cfg.probe.interval() {
+        start_probe(&ctl.cfg, every, Arc::clone(&ctl.counters));
+    }
     ctl.serve()
+}
+
+/// Runs the coherence probe every `every` on a thread of its own, as a client of this
+/// kvctld. A mismatch is logged at error level and counted (`probe_mismatches`).
+fn start_probe(cfg: &Config, every: Duration, counters: Arc<Counters>) {
+    let socket = cfg.control.socket.clone();
+    let geometry = cfg.geometry;
+    let timeout = cfg.deadlines.request() + cfg.deadlines.admission_wait();
+    info!("coherence probe every {} s", every.as_secs());
+    let spawned = std::thread::Builder::new()
+        .name("probe".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(every);
+                bump(&counters.probe_runs);
+                match crate::probe::run_probe(&socket, geometry, 16, timeout) {
+                    Ok(r) if !r.mismatches.is_empty() => {
+                        counters
+                            .probe_mismatches
+                            .fetch_add(r.mismatches.len() as u64, Ordering::Relaxed);
+                        for m in &r.mismatches {
+                            log::error!(
+                                "coherence probe: output differs from the monolithic path: {m}"
+                            );
+                        }
+                    }
+                    Ok(r) if !r.errors.is_empty() => {
+                        counters
+                            .probe_errors
+                            .fetch_add(r.errors.len() as u64, Ordering::Relaxed);
+                        warn!(
+                            "coherence probe: {} canaries failed: {}",
+                            r.errors.len(),
+                            r.errors[0]
+                        );
+                    }
+                    Ok(_) => debug!("coherence probe: all canaries matched"),
+                    Err(e) => {
+                        bump(&counters.probe_errors);
+                        warn!("coherence probe could not run: {e}");
+                    }
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        warn!("cannot start the coherence probe: {e}");
+    }
 }
 
 /// The listening socket systemd passed (socket activation), if any.
@@ -315,7 +372,7 @@ impl Ctl {
             held: HashMap::new(),
             queue: VecDeque::new(),
             next_id: 1,
-            counters: Counters::default(),
+            counters: Arc::new(Counters::default()),
             own_uid: nix::unistd::geteuid().as_raw(),
             draining_since: None,
             activated: false,
@@ -1003,7 +1060,7 @@ impl Ctl {
                 debug!("{id} of tenant {} rejected: {reason}", spec.tenant);
                 let e = proto::Error {
                     code: ErrorCode::Rejected,
-                    message: format!("rejected: {reason}"),
+                    message: reason.to_string(),
                 };
                 self.send(key, id, e.into(), Vec::new());
                 return;

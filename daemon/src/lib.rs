@@ -2,4 +2,5 @@
 
 pub mod client;
 pub mod ctl;
+pub mod probe;
 pub mod stack;

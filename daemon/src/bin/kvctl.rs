@@ -77,6 +77,13 @@ enum Command {
     },
     /// Show workers, pools, limits and counters.
     Status,
+    /// Send canary requests through the live system and check every output against the
+    /// monolithic model (needs --config for the model geometry). Exits 7 on any mismatch.
+    Probe {
+        /// New tokens per canary.
+        #[arg(long = "max-new", default_value_t = 24)]
+        max_new: u32,
+    },
     /// Start a local stack, run requests of two tenants concurrently, check every output
     /// against the monolithic model, submit an oversize request, and stop the stack.
     Demo {
@@ -148,6 +155,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             prompt,
         } => generate(cli, tenant, *max_new, deadline_ms.unwrap_or(0), prompt),
         Command::Status => status(cli),
+        Command::Probe { max_new } => probe(cli, *max_new),
         Command::Demo { requests, keep_dir } => demo(cli.json, *requests, *keep_dir),
     }
 }
@@ -804,4 +812,66 @@ fn demo_run(
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
+}
+
+/// `kvctl probe`: canaries through the live system, compared with the monolithic path.
+fn probe(cli: &Cli, max_new: u32) -> Result<(), Failure> {
+    let Some(path) = &cli.config else {
+        return Err(Failure::new(
+            exit::USAGE,
+            "probe needs --config: the model geometry comes from the deployment's config",
+        ));
+    };
+    let config = Config::load(path).map_err(|e| Failure::new(exit::USAGE, error_chain(&e)))?;
+    let socket = cli
+        .socket
+        .clone()
+        .unwrap_or_else(|| config.control.socket.clone());
+    let timeout = config.deadlines.request() + config.deadlines.admission_wait();
+    let report =
+        kvctld::probe::run_probe(&socket, config.geometry, max_new, timeout).map_err(|e| {
+            let code = match e {
+                kvctld::probe::ProbeError::Connect(ref c) => c.exit_code(),
+                kvctld::probe::ProbeError::Model(_) => exit::USAGE,
+            };
+            Failure::new(code, error_chain(&e))
+        })?;
+    if cli.json {
+        let v = serde_json::json!({
+            "requests": report.requests,
+            "matched": report.matched,
+            "mismatches": report.mismatches,
+            "errors": report.errors,
+            "coherent": report.is_coherent(),
+        });
+        println!("{v}");
+    } else {
+        println!(
+            "probe: {} of {} canaries matched the monolithic path",
+            report.matched, report.requests
+        );
+        for m in &report.mismatches {
+            println!("  MISMATCH {m}");
+        }
+        for e in &report.errors {
+            println!("  error: {e}");
+        }
+    }
+    if !report.mismatches.is_empty() {
+        log::error!(
+            "coherence probe: {} outputs differ from the monolithic path",
+            report.mismatches.len()
+        );
+        return Err(Failure::new(
+            exit::MISMATCH,
+            "outputs differ from the monolithic path",
+        ));
+    }
+    if !report.errors.is_empty() {
+        return Err(Failure::new(
+            exit::UNAVAILABLE,
+            "some canaries failed; coherence not shown",
+        ));
+    }
+    Ok(())
 }
