@@ -345,6 +345,19 @@ impl Prefill {
         tokens: &[u32],
     ) -> Result<(Vec<libkv::PageId>, Vec<u32>), ModelError> {
         let mut grant = res.grant_write().map_err(ModelError::Pool)?;
+        #[cfg(feature = "fault-injection")]
+        if fault_active("stale-kv") {
+            // A broken prefill, on purpose: it computes only the first token and leaves the
+            // rest of the pages as the last request left them, yet reports them all, with
+            // digests of what is there. Coverage checks pass; only the outputs show it.
+            self.model
+                .prefill(&tokens[..1.min(tokens.len())], &mut grant)?;
+            let digests = (0..grant.pages().len())
+                .map(|i| grant.page_mut(i).map(|p| page_digest(p)))
+                .collect::<Result<Vec<u32>, PoolError>>()
+                .map_err(ModelError::Pool)?;
+            return Ok((grant.pages().to_vec(), digests));
+        }
         self.model.prefill(tokens, &mut grant)?;
         let digests = (0..grant.pages().len())
             .map(|i| grant.page_mut(i).map(|p| page_digest(p)))
@@ -440,6 +453,14 @@ impl Worker for Prefill {
             }
         }
     }
+}
+
+/// Whether the fault `name` is switched on in `KVFENCE_FAULT` (comma-separated). Only in
+/// builds with the `fault-injection` feature, which exist to show that the isolation suite
+/// and the coherence probe catch a broken build.
+#[cfg(feature = "fault-injection")]
+fn fault_active(name: &str) -> bool {
+    std::env::var("KVFENCE_FAULT").is_ok_and(|v| v.split(',').any(|f| f.trim() == name))
 }
 
 #[cfg(test)]
