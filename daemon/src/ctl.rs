@@ -170,6 +170,8 @@ struct Request {
     sent_decode: Option<usize>,
     stage_deadline: Instant,
     stage_budget: Duration,
+    /// When the current stage began (for the bootstrap round-trip figures).
+    stage_started: Instant,
     deadline: Instant,
 }
 
@@ -202,6 +204,37 @@ struct Ctl {
     activated: bool,
     /// Prefill aborts held back until decoded stops reading the pages (see `fail`).
     deferred: HashMap<RequestId, (usize, Abort)>,
+    /// DecodeReserve to DecodeReserved: the bootstrap round trip through decoded.
+    bootstrap_rtt: Samples,
+}
+
+/// The last few thousand durations of something, for percentiles in status.
+#[derive(Debug, Default)]
+struct Samples {
+    us: VecDeque<u64>,
+}
+
+impl Samples {
+    const KEEP: usize = 4096;
+
+    fn record(&mut self, d: Duration) {
+        if self.us.len() == Self::KEEP {
+            self.us.pop_front();
+        }
+        self.us
+            .push_back(u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+    }
+
+    /// The `q`-quantile (0..=1) of the kept samples, in microseconds.
+    fn quantile(&self, q: f64) -> Option<u64> {
+        let mut v: Vec<u64> = self.us.iter().copied().collect();
+        v.sort_unstable();
+        let last = v.len().checked_sub(1)?;
+        // q in [0, 1] and last < 4096: the product fits and rounds to an index.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let i = ((last as f64) * q).round() as usize;
+        v.get(i.min(last)).copied()
+    }
 }
 
 /// Runs kvctld until SIGTERM or SIGINT, then drains.
@@ -377,6 +410,7 @@ impl Ctl {
             draining_since: None,
             activated: false,
             deferred: HashMap::new(),
+            bootstrap_rtt: Samples::default(),
             cfg,
         })
     }
@@ -1095,6 +1129,7 @@ impl Ctl {
                 sent_decode: None,
                 stage_deadline: now + wait,
                 stage_budget: wait,
+                stage_started: now,
                 deadline: now + total,
             },
         );
@@ -1139,7 +1174,8 @@ impl Ctl {
             };
             r.stage = Stage::Reserving;
             r.sent_decode = Some(d);
-            r.stage_deadline = Instant::now() + budget;
+            r.stage_started = Instant::now();
+            r.stage_deadline = r.stage_started + budget;
             r.stage_budget = budget;
             let msg = DecodeReserve {
                 owner,
@@ -1184,6 +1220,8 @@ impl Ctl {
         }
         match from {
             Stage::Reserving => {
+                let rtt = r.stage_started.elapsed();
+                self.bootstrap_rtt.record(rtt);
                 let Some(p) = self.worker_conn(Side::Prefill) else {
                     self.fail(id, ErrorCode::WorkerLost, "no prefill worker".into());
                     return;
@@ -1465,6 +1503,14 @@ impl Ctl {
         }
         let mut counters = self.counters.list();
         counters.push(("in_flight".into(), self.requests.len() as u64));
+        for (name, q) in [
+            ("bootstrap_rtt_p50_us", 0.5),
+            ("bootstrap_rtt_p99_us", 0.99),
+        ] {
+            if let Some(v) = self.bootstrap_rtt.quantile(q) {
+                counters.push((name.into(), v));
+            }
+        }
         counters.push(("queue_len".into(), self.queue.len() as u64));
         counters.push((
             "ledger.prefill_free".into(),
