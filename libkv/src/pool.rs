@@ -420,6 +420,7 @@ impl Reservation {
 
     /// Like [`grant_write`](Self::grant_write) over the first `n` pages.
     pub fn grant_pages(&mut self, n: usize) -> Result<WriteGrant, PoolError> {
+        self.refresh_grant();
         if self.grant_live {
             return Err(PoolError::WriterActive);
         }
