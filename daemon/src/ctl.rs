@@ -128,6 +128,11 @@ struct Conn {
     registered: bool,
     /// Close once the outbox is flushed (after a final error frame).
     closing: bool,
+    /// The peer's uid (SO_PEERCRED at accept).
+    uid: u32,
+    /// When it connected: a peer that has not said Hello within the bootstrap deadline is
+    /// dropped, so idle connections cannot pile up.
+    accepted: Instant,
 }
 
 struct Worker {
@@ -505,6 +510,12 @@ impl Ctl {
             || c.allowed_gids.contains(&gid)
     }
 
+    /// Workers see every tenant's prompts and KV: only kvctld's own uid, root and the
+    /// configured worker uids may register as one.
+    fn may_be_worker(&self, uid: u32) -> bool {
+        uid == 0 || uid == self.own_uid || self.cfg.control.worker_uids.contains(&uid)
+    }
+
     fn accept(&mut self) {
         loop {
             let Some(listener) = self.listener.as_ref() else {
@@ -543,7 +554,14 @@ impl Ctl {
                 continue;
             }
             if self.conns.len() >= MAX_CONNECTIONS {
-                warn!("refused connection: {MAX_CONNECTIONS} connections open");
+                debug!("refused connection: {MAX_CONNECTIONS} connections open");
+                let msg = Message::from(proto::Error {
+                    code: ErrorCode::PoolFull,
+                    message: format!("kvctld has {MAX_CONNECTIONS} connections open; try again"),
+                });
+                if let Ok(frame) = msg.encode(RequestId(0)) {
+                    let _ = uds::send_frame(&stream, &frame, &[]);
+                }
                 continue;
             }
             let entry = self.conns.vacant_entry();
@@ -565,6 +583,8 @@ impl Ctl {
                 role: None,
                 registered: false,
                 closing: false,
+                uid,
+                accepted: Instant::now(),
             });
             debug!("connection {key} from uid {uid}");
         }
@@ -799,6 +819,21 @@ impl Ctl {
             let msg = proto::Error {
                 code: ErrorCode::ShuttingDown,
                 message: "kvctld is stopping".into(),
+            };
+            self.send(key, RequestId(0), msg.into(), Vec::new());
+            self.close_after_flush(key);
+            return;
+        }
+        let uid = self.conns.get(key).map_or(u32::MAX, |c| c.uid);
+        if matches!(h.role, Role::Prefill | Role::Decode) && !self.may_be_worker(uid) {
+            bump(&self.counters.unauthorized);
+            warn!(
+                "uid {uid} may connect but not register as a {:?} worker",
+                h.role
+            );
+            let msg = proto::Error {
+                code: ErrorCode::Unauthorized,
+                message: format!("uid {uid} is not allowed to be a worker"),
             };
             self.send(key, RequestId(0), msg.into(), Vec::new());
             self.close_after_flush(key);
@@ -1447,6 +1482,24 @@ impl Ctl {
     }
 
     fn expire(&mut self, now: Instant) {
+        let hello_by = self.cfg.deadlines.bootstrap();
+        let silent: Vec<usize> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.role.is_none() && !c.closing && now - c.accepted >= hello_by)
+            .map(|(k, _)| k)
+            .collect();
+        for key in silent {
+            debug!(
+                "connection {key} said no Hello within {} ms",
+                hello_by.as_millis()
+            );
+            self.protocol_error(
+                key,
+                RequestId(0),
+                "no Hello within the bootstrap deadline".into(),
+            );
+        }
         let due: Vec<(RequestId, Stage, Duration, bool)> = self
             .requests
             .iter()

@@ -205,6 +205,10 @@ pub struct Control {
     pub allowed_uids: Vec<u32>,
     /// Peer gids allowed to connect.
     pub allowed_gids: Vec<u32>,
+    /// Peer uids allowed to register as a worker (prefill or decode), besides the daemon's
+    /// own uid and root. Being allowed to connect is not enough to become a worker: a worker
+    /// sees prompts and KV of every tenant.
+    pub worker_uids: Vec<u32>,
     /// Most requests queued while waiting for temporary pool capacity.
     pub admission_queue: u32,
 }
@@ -215,6 +219,7 @@ impl Default for Control {
             socket: PathBuf::from(DEFAULT_SOCKET),
             allowed_uids: Vec::new(),
             allowed_gids: Vec::new(),
+            worker_uids: Vec::new(),
             admission_queue: 1024,
         }
     }
@@ -568,6 +573,7 @@ fn validate_control(c: &Control) -> Result<(), ConfigError> {
     for (key, ids) in [
         ("allowed_uids", &c.allowed_uids),
         ("allowed_gids", &c.allowed_gids),
+        ("worker_uids", &c.worker_uids),
     ] {
         if ids.len() > MAX_ALLOWED_IDS {
             return Err(ConfigError::TooManyIds {
