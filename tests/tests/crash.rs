@@ -32,11 +32,11 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 /// Rounds of the campaign (one kill and one restart each).
-const ROUNDS: usize = 12;
+const ROUNDS: usize = 24;
 /// Seed of every random choice.
 const SEED: u64 = 0x6b76_6665_6e63_6531;
 /// Load threads per round.
-const CLIENTS: usize = 4;
+const CLIENTS: usize = 6;
 /// Deadline every load request asks for.
 const DEADLINE_MS: u32 = 3000;
 /// Time past its deadline a request may take to come back.
@@ -481,7 +481,7 @@ fn killing_any_daemon_at_any_point_fails_requests_cleanly_and_leaks_no_page() {
 
         // The restarted daemon serves: a fresh request succeeds and matches.
         let tenant = TENANTS[round % TENANTS.len()];
-        let p = prompt(tenant, 90_000 + round, 200 + round * 17);
+        let p = prompt(tenant, 90_000 + round, 100 + (round * 37) % 400);
         let out = stack
             .client()
             .and_then(|mut c| c.generate(tenant, &p, 24, DEADLINE_MS, |_| {}))
