@@ -33,6 +33,14 @@ use std::time::{Duration, Instant};
 
 /// Rounds of the campaign (one kill and one restart each).
 const ROUNDS: usize = 24;
+
+/// Rounds to run: [`ROUNDS`] in CI; `KVFENCE_CRASH_ROUNDS` for the long campaign.
+fn rounds() -> usize {
+    std::env::var("KVFENCE_CRASH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(ROUNDS)
+}
 /// Seed of every random choice.
 const SEED: u64 = 0x6b76_6665_6e63_6531;
 /// Load threads per round.
@@ -356,7 +364,7 @@ fn killing_any_daemon_at_any_point_fails_requests_cleanly_and_leaks_no_page() {
 
     // Every daemon is the victim equally often, in a seeded order.
     let mut rng = Rng::new(SEED);
-    let mut victims: Vec<Daemon> = Daemon::ALL.iter().cycle().take(ROUNDS).copied().collect();
+    let mut victims: Vec<Daemon> = Daemon::ALL.iter().cycle().take(rounds()).copied().collect();
     for i in (1..victims.len()).rev() {
         let j = rng.below(i as u64 + 1) as usize;
         victims.swap(i, j);
@@ -529,10 +537,11 @@ fn killing_any_daemon_at_any_point_fails_requests_cleanly_and_leaks_no_page() {
     );
     let took = begun.elapsed();
     eprintln!(
-        "crash campaign: {ROUNDS} rounds, kills {:?}, phases {:?}; requests ok {} failed {} \
+        "crash campaign: {} rounds, kills {:?}, phases {:?}; requests ok {} failed {} \
          {:?}; in flight at a kill {} (failed {}); rounds' checks ok {}; verify_failed \
          decoded {} kvctld {}; slowest request {:?} (error {:?}), slowest restart {:?}, \
          slowest round {:?}; took {took:?}",
+        rounds(),
         tally.kills,
         tally.phases,
         tally.ok,
