@@ -349,7 +349,7 @@ impl World {
                 let Phase::Reserved {
                     grant,
                     written,
-                    granted_before,
+                    granted_before: _,
                 } = q.phase
                 else {
                     unreachable!()
