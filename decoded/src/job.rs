@@ -151,7 +151,7 @@ fn run_job(ctx: &JobContext, job: Job) {
             debug!("{owner} failed: {code}: {message}");
             emit(Message::from(Error {
                 code,
-                message: crate::text(message),
+                message: libkv::link::text(message),
             }));
         }
     }

@@ -12,7 +12,7 @@
 //! jobs send their frames back to it over a channel and wake it with a `mio::Waker`.
 
 mod job;
-use libkv::link;
+use libkv::link::{self, page_count, pool_error_code, refuse};
 
 use crossbeam::channel::Receiver;
 use job::{Job, JobContext, JobEvent, JobPool};
@@ -21,8 +21,8 @@ use libkv::memory::{ForeignPool, HostMemory};
 use libkv::model::{ModelError, ReferenceModel};
 use libkv::pool::{PagePool, PoolError, PoolOptions, Reservation};
 use libkv::proto::{
-    self, DecodeReserve, DecodeReserved, ErrorCode, Freed, Header, Message, PoolReport,
-    PrefillPool, PullKv, RegisterAck, RegisterWorker, Role, Transport,
+    DecodeReserve, DecodeReserved, ErrorCode, Freed, Header, Message, PrefillPool, PullKv,
+    RegisterAck, RegisterWorker, Role, Transport,
 };
 use libkv::{Generation, Owner, PageGeometry, RequestId};
 use link::{Link, Worker};
@@ -147,18 +147,6 @@ fn add(c: &AtomicU64, n: u64) {
     c.fetch_add(n, Ordering::Relaxed);
 }
 
-/// Cuts `s` to at most [`proto::MAX_TEXT_BYTES`] on a character boundary.
-pub(crate) fn text(s: String) -> String {
-    if s.len() <= proto::MAX_TEXT_BYTES {
-        return s;
-    }
-    let mut end = proto::MAX_TEXT_BYTES;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    s[..end].to_owned()
-}
-
 /// What decoded holds for an owner.
 #[derive(Debug)]
 enum Entry {
@@ -254,62 +242,14 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
     Ok(())
 }
 
-/// Answers `Error{code, message}` for request `id`.
-fn refuse(link: &mut Link, id: RequestId, code: ErrorCode, message: String) {
-    debug!("refusing {id}: {code}: {message}");
-    link.send(
-        id,
-        proto::Error {
-            code,
-            message: text(message),
-        },
-    );
-}
-
-fn pool_error_code(e: &PoolError) -> ErrorCode {
-    match e {
-        PoolError::Full { .. } => ErrorCode::PoolFull,
-        PoolError::NeverFits { .. } => ErrorCode::BadRequest,
-        _ => ErrorCode::Internal,
-    }
-}
-
-fn page_count(res: &Reservation) -> u32 {
-    u32::try_from(res.pages().len()).unwrap_or(u32::MAX)
-}
-
 impl Decode {
     /// Refuses an owner of another generation, or one that is not the frame's request.
     fn check_owner(&self, id: RequestId, owner: Owner) -> Result<(), String> {
-        match self.generation {
-            Some(g) if g == owner.generation => {}
-            Some(g) => {
-                return Err(format!(
-                    "owner {owner} is not of the current generation {}",
-                    g.0
-                ));
-            }
-            None => return Err("not registered".to_owned()),
-        }
-        if owner.request != id {
-            return Err(format!("frame for {id} names owner {owner}"));
-        }
-        Ok(())
+        link::check_owner(self.generation, id, owner)
     }
 
     fn report(&self, link: &mut Link) {
-        let u = self.pool.usage();
-        link.send(
-            RequestId(0),
-            PoolReport {
-                free: u.free,
-                reserved: u.reserved,
-                writing: u.writing,
-                readable: u.readable,
-                draining: u.draining,
-                counters: self.counters.snapshot(),
-            },
-        );
+        link::send_report(link, &self.pool, self.counters.snapshot());
     }
 
     /// Reports pages that are back on the free list: the caller dropped the reservation
@@ -738,7 +678,12 @@ mod tests {
     }
 
     /// Reads Freed for `request`, then checks the pool is empty again.
-    fn expect_freed(peer: &mut Peer, cfg: &Config, request: u64, pages: u32) -> PoolReport {
+    fn expect_freed(
+        peer: &mut Peer,
+        cfg: &Config,
+        request: u64,
+        pages: u32,
+    ) -> libkv::proto::PoolReport {
         let (h, msg) = peer.next();
         assert_eq!(h.request_id, RequestId(request));
         assert_eq!(

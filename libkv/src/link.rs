@@ -669,6 +669,86 @@ pub fn serve(
     Ok(())
 }
 
+/// Cuts `s` to at most [`crate::proto::MAX_TEXT_BYTES`] on a character boundary, for the
+/// text of an `Error` or `Abort`.
+pub fn text(s: String) -> String {
+    if s.len() <= crate::proto::MAX_TEXT_BYTES {
+        return s;
+    }
+    let mut end = crate::proto::MAX_TEXT_BYTES;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_owned()
+}
+
+/// Answers `Error{code, message}` for request `id`.
+pub fn refuse(link: &mut Link, id: RequestId, code: crate::proto::ErrorCode, message: String) {
+    debug!("refusing {id}: {code}: {message}");
+    link.send(
+        id,
+        crate::proto::Error {
+            code,
+            message: text(message),
+        },
+    );
+}
+
+/// The error code a worker answers for a reservation its pool refused.
+pub fn pool_error_code(e: &crate::pool::PoolError) -> crate::proto::ErrorCode {
+    use crate::pool::PoolError;
+    use crate::proto::ErrorCode;
+    match e {
+        PoolError::Full { .. } => ErrorCode::PoolFull,
+        PoolError::NeverFits { .. } => ErrorCode::BadRequest,
+        _ => ErrorCode::Internal,
+    }
+}
+
+/// Pages of a reservation, as the wire counts them.
+pub fn page_count(res: &crate::pool::Reservation) -> u32 {
+    u32::try_from(res.pages().len()).unwrap_or(u32::MAX)
+}
+
+/// Refuses an owner of another generation than `current` (the one kvctld registered this
+/// worker under), or one that is not the frame's request `id`.
+pub fn check_owner(
+    current: Option<Generation>,
+    id: RequestId,
+    owner: crate::Owner,
+) -> Result<(), String> {
+    match current {
+        Some(g) if g == owner.generation => {}
+        Some(g) => {
+            return Err(format!(
+                "owner {owner} is not of the current generation {}",
+                g.0
+            ));
+        }
+        None => return Err("not registered".to_owned()),
+    }
+    if owner.request != id {
+        return Err(format!("frame for {id} names owner {owner}"));
+    }
+    Ok(())
+}
+
+/// Sends kvctld the pool's page counts by state and the worker's counters.
+pub fn send_report(link: &mut Link, pool: &crate::pool::PagePool, counters: Vec<(String, u64)>) {
+    let u = pool.usage();
+    link.send(
+        RequestId(0),
+        crate::proto::PoolReport {
+            free: u.free,
+            reserved: u.reserved,
+            writing: u.writing,
+            readable: u.readable,
+            draining: u.draining,
+            counters,
+        },
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,15 +10,15 @@
 //! Everything runs on one mio event loop ([`link::serve`]); a prefill is short and runs on
 //! the loop thread.
 
-use libkv::link;
+use libkv::link::{self, page_count, pool_error_code, refuse};
 
 use libkv::config::{Backend, Config};
 use libkv::memory::HostMemory;
 use libkv::model::{ModelError, ModelRunner, ReferenceModel, tokenize};
 use libkv::pool::{PagePool, PoolError, PoolOptions, Reservation};
 use libkv::proto::{
-    self, ErrorCode, Freed, Header, Message, PoolReport, PrefillDone, PrefillRun, RegisterAck,
-    RegisterWorker, Role, Transport,
+    ErrorCode, Freed, Header, Message, PrefillDone, PrefillRun, RegisterAck, RegisterWorker, Role,
+    Transport,
 };
 use libkv::verify::{Manifest, page_digest};
 use libkv::{Generation, Owner, RequestId};
@@ -198,74 +198,14 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
     Ok(())
 }
 
-/// Cuts `s` to at most [`proto::MAX_TEXT_BYTES`] on a character boundary.
-fn text(s: String) -> String {
-    if s.len() <= proto::MAX_TEXT_BYTES {
-        return s;
-    }
-    let mut end = proto::MAX_TEXT_BYTES;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    s[..end].to_owned()
-}
-
-/// Answers `Error{code, message}` for request `id`.
-fn refuse(link: &mut Link, id: RequestId, code: ErrorCode, message: String) {
-    debug!("refusing {id}: {code}: {message}");
-    link.send(
-        id,
-        proto::Error {
-            code,
-            message: text(message),
-        },
-    );
-}
-
-fn pool_error_code(e: &PoolError) -> ErrorCode {
-    match e {
-        PoolError::Full { .. } => ErrorCode::PoolFull,
-        PoolError::NeverFits { .. } => ErrorCode::BadRequest,
-        _ => ErrorCode::Internal,
-    }
-}
-
-fn page_count(res: &Reservation) -> u32 {
-    u32::try_from(res.pages().len()).unwrap_or(u32::MAX)
-}
-
 impl Prefill {
     /// Refuses an owner of another generation, or one that is not the frame's request.
     fn check_owner(&self, id: RequestId, owner: Owner) -> Result<(), String> {
-        match self.generation {
-            Some(g) if g == owner.generation => {}
-            Some(g) => {
-                return Err(format!(
-                    "owner {owner} is not of the current generation {}",
-                    g.0
-                ));
-            }
-            None => return Err("not registered".to_owned()),
-        }
-        if owner.request != id {
-            return Err(format!("frame for {id} names owner {owner}"));
-        }
-        Ok(())
+        link::check_owner(self.generation, id, owner)
     }
 
     fn report(&self, link: &mut Link) {
-        let u = self.pool.usage();
-        link.send(
-            RequestId(0),
-            PoolReport {
-                free: u.free,
-                reserved: u.reserved,
-                writing: u.writing,
-                readable: u.readable,
-                draining: u.draining,
-                counters: self.counters.snapshot(),
-            },
-        );
+        link::send_report(link, &self.pool, self.counters.snapshot());
     }
 
     /// Reports pages that are back on the free list (the reservation was dropped and no
@@ -679,7 +619,7 @@ mod tests {
         let _hello = peer.recv();
         peer.send(
             RequestId(0),
-            proto::Error {
+            libkv::proto::Error {
                 code: ErrorCode::Unauthorized,
                 message: "not allowed".into(),
             },
