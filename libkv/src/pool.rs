@@ -331,8 +331,14 @@ impl PoolInner {
         if pattern == [0u8; 16] {
             bytes.fill(0);
         } else {
-            for chunk in bytes.chunks_mut(16) {
-                chunk.copy_from_slice(&pattern[..chunk.len()]);
+            // Write the pattern once, then double the filled prefix with memcpy.
+            let first = bytes.len().min(16);
+            bytes[..first].copy_from_slice(&pattern[..first]);
+            let mut filled = first;
+            while filled < bytes.len() {
+                let n = filled.min(bytes.len() - filled);
+                bytes.copy_within(..n, filled);
+                filled += n;
             }
         }
     }
