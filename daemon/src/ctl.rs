@@ -15,8 +15,8 @@ use libkv::admission::{self, Ledger, Limits, Need, RequestSpec, Side};
 use libkv::config::Config;
 use libkv::proto::{
     self, Abort, DecodeReserve, Done, ErrorCode, Freed, Hello, HelloAck, Message, PoolReport,
-    PrefillDone, PrefillPool, PrefillRun, PullKv, RegisterAck, RegisterWorker, Release, Role,
-    StatusReply, Submit, Tokens, WorkerStatus,
+    PrefillDone, PrefillEndpoint, PrefillPool, PrefillRun, PullKv, RegisterAck, RegisterWorker,
+    Release, Role, StatusReply, Submit, TcpEndpoint, Tokens, Transport, WorkerStatus,
 };
 use libkv::sys::uds::{self, FrameReader, ReadOutcome};
 use libkv::{Generation, Owner, RequestId};
@@ -139,8 +139,12 @@ struct Worker {
     conn: usize,
     pool_pages: u32,
     report: Option<PoolReport>,
-    /// The prefill pool, read-only, to hand to decoded.
+    /// The prefill pool, read-only, to hand to decoded (shared memory).
     pool_fd: Option<OwnedFd>,
+    /// The prefill page server, to hand to decoded (TCP).
+    endpoint: Option<TcpEndpoint>,
+    /// Transports the worker registered.
+    transports: Vec<Transport>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -940,7 +944,9 @@ impl Ctl {
         } else {
             None
         };
-        if side == Side::Prefill {
+        // A prefill worker on TCP names its page server and sends no fd (the frame's fd
+        // count was checked against that); on shared memory its fd must be read-only.
+        if side == Side::Prefill && r.endpoint.is_none() {
             match pool_fd.as_ref().map(libkv::sys::memfd::is_writable) {
                 Some(Ok(false)) => {}
                 _ => {
@@ -958,6 +964,8 @@ impl Ctl {
             pool_pages: r.pool_pages,
             report: None,
             pool_fd,
+            endpoint: r.endpoint,
+            transports: r.transports,
         };
         match side {
             Side::Prefill => {
@@ -983,11 +991,28 @@ impl Ctl {
         self.try_admit();
     }
 
-    /// Hands decoded the prefill pool (read-only) whenever both workers are registered.
+    /// Hands decoded the prefill pool (read-only, shared memory) or the prefill page server
+    /// (TCP) whenever both workers are registered.
     fn share_prefill_pool(&mut self) {
         let (Some(p), Some(d)) = (self.prefill.as_ref(), self.decode.as_ref()) else {
             return;
         };
+        if let Some(endpoint) = &p.endpoint {
+            if !d.transports.contains(&Transport::Tcp) {
+                warn!(
+                    "the prefill worker serves pages over TCP, which the decode worker cannot use"
+                );
+                return;
+            }
+            let msg = PrefillEndpoint {
+                geometry: self.cfg.geometry,
+                pool_pages: p.pool_pages,
+                endpoint: endpoint.clone(),
+            };
+            let dkey = d.conn;
+            self.send(dkey, RequestId(0), msg.into(), Vec::new());
+            return;
+        }
         let Some(fd) = p
             .pool_fd
             .as_ref()

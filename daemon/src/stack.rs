@@ -56,7 +56,8 @@ impl Daemon {
         }
     }
 
-    fn index(self) -> usize {
+    /// Position of the daemon in [`Daemon::ALL`] and in [`StackOptions::wrap`].
+    pub fn index(self) -> usize {
         match self {
             Daemon::Kvctld => 0,
             Daemon::Prefilld => 1,
@@ -146,6 +147,9 @@ pub struct StackOptions {
     pub stop_timeout: Duration,
     /// Timeout of the handshake and status queries of clients made by [`Stack::client`].
     pub client_timeout: Duration,
+    /// A command to run a daemon under, per daemon (for example `ip netns exec NAME`, to
+    /// put a worker on another network namespace); empty runs it directly.
+    pub wrap: [Vec<String>; 3],
 }
 
 impl StackOptions {
@@ -160,6 +164,7 @@ impl StackOptions {
             ready_timeout: Duration::from_secs(15),
             stop_timeout,
             client_timeout: Duration::from_secs(5),
+            wrap: Default::default(),
         })
     }
 }
@@ -500,7 +505,15 @@ impl Stack {
             source,
         };
         let stdout: File = log.try_clone().map_err(log_err)?;
-        let mut cmd = Command::new(&path);
+        let wrap = &self.opts.wrap[daemon.index()];
+        let mut cmd = match wrap.split_first() {
+            Some((program, args)) => {
+                let mut cmd = Command::new(program);
+                cmd.args(args).arg(&path);
+                cmd
+            }
+            None => Command::new(&path),
+        };
         cmd.arg("--config")
             .arg(&self.config_path)
             .stdin(Stdio::null())

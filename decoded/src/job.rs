@@ -11,13 +11,18 @@ use crossbeam::channel::{Receiver, Sender};
 use libkv::Owner;
 use libkv::memory::ForeignPool;
 use libkv::model::{ModelRunner, ReferenceModel};
-use libkv::pool::Reservation;
+use libkv::pool::{Reservation, WriteGrant};
+use libkv::proto::TOKEN_BYTES;
 use libkv::proto::{Done, Error, ErrorCode, Message, PullDone, Tokens};
+use libkv::tcp;
 use libkv::verify::Manifest;
 use log::debug;
 use mio::Waker;
+use std::fmt;
 use std::io;
+use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -41,9 +46,142 @@ pub(crate) struct Job {
     pub decode: Duration,
     /// The request's own deadline; caps both.
     pub request_deadline: Instant,
-    pub foreign: Arc<ForeignPool>,
+    /// Where the pages come from: the mapped prefill pool or its page server.
+    pub source: Arc<dyn PageSource>,
     /// The connection the job belongs to; frames of an older one are discarded.
     pub epoch: u64,
+}
+
+/// Where a job pulls prefill pages from. The job checks the manifest against the source's
+/// pool, then the source copies the pages into the job's own grant, in manifest order,
+/// calling `keep_going` between pages (and, on a network, while the peer is silent).
+pub(crate) trait PageSource: Send + Sync + fmt::Debug {
+    /// Pages in the prefill pool.
+    fn pool_pages(&self) -> u32;
+    /// Bytes per prefill page.
+    fn page_bytes(&self) -> u64;
+    /// Copies the manifest's pages into `grant`'s pages. `Err(None)` when `keep_going` said
+    /// stop; `Err(Some)` with the code and reason of a failure.
+    fn pull(
+        &self,
+        manifest: &Manifest,
+        grant: &mut WriteGrant,
+        keep_going: &mut dyn FnMut() -> bool,
+    ) -> Result<(), Option<(ErrorCode, String)>>;
+}
+
+impl PageSource for ForeignPool {
+    fn pool_pages(&self) -> u32 {
+        self.pages()
+    }
+
+    fn page_bytes(&self) -> u64 {
+        ForeignPool::page_bytes(self)
+    }
+
+    fn pull(
+        &self,
+        manifest: &Manifest,
+        grant: &mut WriteGrant,
+        keep_going: &mut dyn FnMut() -> bool,
+    ) -> Result<(), Option<(ErrorCode, String)>> {
+        for (i, &page) in manifest.pages.iter().enumerate() {
+            if !keep_going() {
+                return Err(None);
+            }
+            let dst = grant
+                .page_mut(i)
+                .map_err(|e| Some((ErrorCode::Internal, e.to_string())))?;
+            self.copy_page(page, dst).ok_or_else(|| {
+                Some((ErrorCode::BadRequest, format!("cannot copy prefill {page}")))
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// Idle connections kept per page server.
+const IDLE_CONNECTIONS: usize = 4;
+/// Longest a connection attempt to the page server may take.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// prefilld's TCP page server. Connections are reused across requests (at most
+/// [`IDLE_CONNECTIONS`] kept idle); one that saw any error is dropped.
+#[derive(Debug)]
+pub(crate) struct TcpSource {
+    pub addr: SocketAddr,
+    pub token: [u8; TOKEN_BYTES],
+    pub pool_pages: u32,
+    pub page_bytes: u64,
+    pub idle: Mutex<Vec<TcpStream>>,
+}
+
+impl TcpSource {
+    fn connection(&self) -> Result<TcpStream, (ErrorCode, String)> {
+        let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        if let Some(s) = idle {
+            return Ok(s);
+        }
+        let lost = |e: std::io::Error| {
+            let reason = format!("connecting to the prefill page server {}: {e}", self.addr);
+            (ErrorCode::WorkerLost, reason)
+        };
+        let s = TcpStream::connect_timeout(&self.addr, CONNECT_TIMEOUT).map_err(lost)?;
+        tcp::prepare(&s).map_err(|e| (ErrorCode::Internal, e.to_string()))?;
+        Ok(s)
+    }
+}
+
+impl PageSource for TcpSource {
+    fn pool_pages(&self) -> u32 {
+        self.pool_pages
+    }
+
+    fn page_bytes(&self) -> u64 {
+        self.page_bytes
+    }
+
+    fn pull(
+        &self,
+        manifest: &Manifest,
+        grant: &mut WriteGrant,
+        keep_going: &mut dyn FnMut() -> bool,
+    ) -> Result<(), Option<(ErrorCode, String)>> {
+        let page_bytes = u32::try_from(self.page_bytes)
+            .map_err(|_| Some((ErrorCode::Internal, "page over 4 GiB".to_owned())))?;
+        let stream = self.connection().map_err(Some)?;
+        let owner = manifest.owner;
+        match tcp::fetch_pages(
+            &stream,
+            self.token,
+            owner,
+            &manifest.pages,
+            page_bytes,
+            grant,
+            keep_going,
+        ) {
+            Ok(()) => {
+                let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+                if idle.len() < IDLE_CONNECTIONS {
+                    idle.push(stream);
+                }
+                Ok(())
+            }
+            Err(tcp::TcpError::Stopped) => Err(None),
+            Err(tcp::TcpError::Refused { code, message }) => Err(Some((
+                code,
+                format!("the prefill page server refused {owner}: {message}"),
+            ))),
+            Err(e) => Err(Some((
+                ErrorCode::WorkerLost,
+                format!(
+                    "pulling {owner} from {}: {}",
+                    self.addr,
+                    crate::error_chain(&e)
+                ),
+            ))),
+        }
+    }
 }
 
 /// What jobs send the event loop.
@@ -174,7 +312,7 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
         transfer,
         decode,
         request_deadline,
-        foreign,
+        source,
         ..
     } = job;
     let check = |deadline: Instant, what: &str| {
@@ -205,37 +343,45 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
             ),
         ));
     }
-    if let Some(p) = manifest.pages.iter().find(|p| p.0 >= foreign.pages()) {
+    if let Some(p) = manifest.pages.iter().find(|p| p.0 >= source.pool_pages()) {
         return Err(failed(
             ErrorCode::BadRequest,
             format!(
                 "manifest names {p}, outside the prefill pool of {} pages",
-                foreign.pages()
+                source.pool_pages()
             ),
         ));
     }
     let page_bytes = res.pool().page_bytes() as u64;
-    if foreign.page_bytes() != page_bytes {
+    if source.page_bytes() != page_bytes {
         return Err(failed(
             ErrorCode::Internal,
             format!(
                 "prefill pages are {} bytes, decode pages {page_bytes}",
-                foreign.page_bytes()
+                source.page_bytes()
             ),
         ));
     }
     {
         let internal = |e: libkv::pool::PoolError| failed(ErrorCode::Internal, e.to_string());
         let mut grant = res.grant_write().map_err(internal)?;
-        for (i, &page) in manifest.pages.iter().enumerate() {
-            check(pull_deadline, "pull")?;
-            let dst = grant.page_mut(i).map_err(internal)?;
-            foreign.copy_page(page, dst).ok_or_else(|| {
-                failed(ErrorCode::BadRequest, format!("cannot copy prefill {page}"))
-            })?;
-            add(&counters.pages_pulled, 1);
-            add(&counters.bytes_pulled, page_bytes);
+        let mut keep_going = || check(pull_deadline, "pull").is_ok();
+        match source.pull(&manifest, &mut grant, &mut keep_going) {
+            Ok(()) => {}
+            // Stopped: say why (cancelled or past the deadline).
+            Err(None) => {
+                check(pull_deadline, "pull")?;
+                return Err(Stop::Cancelled);
+            }
+            Err(Some((code, message))) => {
+                // A cancel or a deadline may be why the source failed; they take precedence.
+                check(pull_deadline, "pull")?;
+                return Err(failed(code, message));
+            }
         }
+        let pulled = manifest.pages.len() as u64;
+        add(&counters.pages_pulled, pulled);
+        add(&counters.bytes_pulled, pulled * page_bytes);
     }
     let mut kv = match res.verify(&manifest) {
         Ok(kv) => kv,

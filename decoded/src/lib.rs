@@ -8,6 +8,10 @@
 //! to read KV), and decodes, streaming `Tokens` and a final `Done`. Pages go back to the free
 //! list when the job ends, and only then is `Freed` reported.
 //!
+//! With a TCP prefill worker kvctld sends `PrefillEndpoint` instead of `PrefillPool`: jobs
+//! then pull the same pages from prefilld's page server (see `libkv::tcp`), reading them
+//! straight into the reservation's pages, and verify them the same way.
+//!
 //! One mio event loop (shared with prefilld, see `link.rs`) owns the kvctld connection;
 //! jobs send their frames back to it over a channel and wake it with a `mio::Waker`.
 
@@ -15,14 +19,14 @@ mod job;
 use libkv::link::{self, page_count, pool_error_code, refuse};
 
 use crossbeam::channel::Receiver;
-use job::{Job, JobContext, JobEvent, JobPool};
+use job::{Job, JobContext, JobEvent, JobPool, PageSource, TcpSource};
 use libkv::config::{Backend, Config, DeadlineDurations};
 use libkv::memory::{ForeignPool, HostMemory};
 use libkv::model::{ModelError, ReferenceModel};
 use libkv::pool::{PagePool, PoolError, PoolOptions, Reservation};
 use libkv::proto::{
-    DecodeReserve, DecodeReserved, ErrorCode, Freed, Header, Message, PrefillPool, PullKv,
-    RegisterAck, RegisterWorker, Role, Transport,
+    DecodeReserve, DecodeReserved, ErrorCode, Freed, Header, Message, PrefillEndpoint, PrefillPool,
+    PullKv, RegisterAck, RegisterWorker, Role, Transport,
 };
 use libkv::{Generation, Owner, PageGeometry, RequestId};
 use link::{Link, Worker};
@@ -172,7 +176,8 @@ struct Decode {
     held: HashMap<Owner, Entry>,
     generation: Option<Generation>,
     limits: Option<(u32, u32)>,
-    foreign: Option<Arc<ForeignPool>>,
+    /// The prefill pages' source, from `PrefillPool` or `PrefillEndpoint`.
+    source: Option<Arc<dyn PageSource>>,
     /// Incremented at every lost connection; job frames of an older epoch are dropped.
     epoch: u64,
     deadlines: DeadlineDurations,
@@ -219,7 +224,8 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
             role: Role::Decode,
             geometry: cfg.geometry,
             pool_pages: cfg.decode.pool_pages,
-            transports: vec![Transport::Shm],
+            transports: vec![Transport::Shm, Transport::Tcp],
+            endpoint: None,
         },
         None,
         cfg.deadlines.bootstrap(),
@@ -234,7 +240,7 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
         held: HashMap::new(),
         generation: None,
         limits: None,
-        foreign: None,
+        source: None,
         epoch: 0,
         deadlines: cfg.deadlines.as_durations(),
     };
@@ -343,8 +349,8 @@ impl Decode {
             );
             return fail(self, link, res, ErrorCode::BadRequest, reason);
         }
-        let Some(foreign) = self.foreign.clone() else {
-            let reason = "no prefill pool mapped".to_owned();
+        let Some(source) = self.source.clone() else {
+            let reason = "no prefill pool mapped and no page server known".to_owned();
             return fail(self, link, res, ErrorCode::WorkerLost, reason);
         };
         let cancel = Arc::new(AtomicBool::new(false));
@@ -358,7 +364,7 @@ impl Decode {
             transfer: self.deadlines.transfer,
             decode: self.deadlines.decode,
             request_deadline: expires,
-            foreign,
+            source,
             epoch: self.epoch,
         };
         add(&self.counters.pulls, 1);
@@ -411,13 +417,41 @@ impl Decode {
             match ForeignPool::map(fd.as_fd(), self.geometry.bytes_per_page(), m.pool_pages) {
                 Ok(foreign) => {
                     info!("mapped the prefill pool ({} pages)", m.pool_pages);
-                    self.foreign = Some(Arc::new(foreign));
+                    self.source = Some(Arc::new(foreign));
                     None
                 }
                 Err(e) => Some(format!("cannot map the prefill pool: {e}")),
             }
         } else {
             Some("PrefillPool without its fd".to_owned())
+        };
+        if let Some(reason) = refused {
+            warn!("{reason}");
+            refuse(link, RequestId(0), ErrorCode::BadRequest, reason);
+        }
+    }
+
+    fn use_page_server(&mut self, link: &mut Link, m: PrefillEndpoint) {
+        let refused = if m.geometry != self.geometry {
+            Some(format!(
+                "prefill pool geometry {:?} differs from this worker's {:?}",
+                m.geometry, self.geometry
+            ))
+        } else {
+            match m.endpoint.addr.parse() {
+                Ok(addr) => {
+                    info!("pulling prefill pages from {addr} over TCP");
+                    self.source = Some(Arc::new(TcpSource {
+                        addr,
+                        token: m.endpoint.token,
+                        pool_pages: m.pool_pages,
+                        page_bytes: self.geometry.bytes_per_page(),
+                        idle: std::sync::Mutex::new(Vec::new()),
+                    }));
+                    None
+                }
+                Err(e) => Some(format!("page server address {:?}: {e}", m.endpoint.addr)),
+            }
         };
         if let Some(reason) = refused {
             warn!("{reason}");
@@ -507,6 +541,7 @@ impl Worker for Decode {
             Message::Abort(m) => self.abort(link, id, m.owner, true),
             Message::Release(m) => self.abort(link, id, m.owner, false),
             Message::PrefillPool(m) => self.map_prefill_pool(link, &m, &fds),
+            Message::PrefillEndpoint(m) => self.use_page_server(link, m),
             Message::Error(e) => debug!("kvctld reported for {id}: {}: {}", e.code, e.message),
             other => {
                 let reason = format!("{:?} is not for a decode worker", other.msg_type());
@@ -520,7 +555,7 @@ impl Worker for Decode {
         self.epoch += 1;
         self.generation = None;
         self.limits = None;
-        self.foreign = None;
+        self.source = None;
     }
 
     fn on_wake(&mut self, link: &mut Link) {

@@ -1,7 +1,7 @@
 //! Configuration: one TOML file for the whole stack.
 //!
-//! kvctld reads `[control]`, `[limits]` and `[deadlines]`; prefilld reads `[prefill]`;
-//! decoded reads `[decode]`; all of them read `[geometry]`, so that every process agrees on
+//! kvctld reads `[control]`, `[limits]` and `[deadlines]`; prefilld reads `[prefill]` and
+//! `[transfer]`; decoded reads `[decode]`; all of them read `[geometry]`, so that every process agrees on
 //! what a page is. `kvfence.example.toml` next to this crate's `Cargo.toml` documents every
 //! key; a test parses and validates it.
 //!
@@ -15,6 +15,7 @@
 
 use std::fmt;
 use std::io;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -162,6 +163,18 @@ pub enum ConfigError {
         path.display()
     )]
     SocketPathTooLong { path: PathBuf, len: usize },
+
+    #[error("transfer.listen is set but transfer.transport is \"shm\"; it is for \"tcp\" only")]
+    ListenWithoutTcp,
+
+    #[error("transfer.transport is \"tcp\" but transfer.listen (IP:PORT) is not set")]
+    ListenMissing,
+
+    #[error(
+        "transfer.listen {addr:?} is not IP:PORT with a unicast IP that decoded can reach \
+         (not 0.0.0.0 or ::)"
+    )]
+    BadListen { addr: String },
 }
 
 fn in_file(path: Option<&Path>) -> String {
@@ -183,6 +196,8 @@ pub struct Config {
     pub deadlines: Deadlines,
     #[serde(default)]
     pub probe: Probe,
+    #[serde(default)]
+    pub transfer: Transfer,
 }
 
 /// Request size limits, in tokens. Both are required: there is no safe default.
@@ -384,6 +399,46 @@ impl Deadlines {
     }
 }
 
+/// How pages move from prefilld to decoded.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TransportKind {
+    /// Shared memory on one host: decoded maps prefilld's pool read-only.
+    #[default]
+    Shm,
+    /// TCP between hosts: decoded pulls pages from prefilld's page server.
+    Tcp,
+}
+
+/// The `[transfer]` section: which transport, and for TCP where prefilld serves its pages.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Transfer {
+    pub transport: TransportKind,
+    /// `IP:PORT` of prefilld's page server, required for TCP and only for TCP. decoded
+    /// connects to this address, so the IP must be one decoded can reach (not 0.0.0.0);
+    /// port 0 picks a free port, which kvctld passes on to decoded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub listen: Option<String>,
+}
+
+impl Transfer {
+    /// The page server's address, validated; `None` for shared memory.
+    pub fn listen_addr(&self) -> Result<Option<SocketAddr>, ConfigError> {
+        match (self.transport, &self.listen) {
+            (TransportKind::Shm, None) => Ok(None),
+            (TransportKind::Shm, Some(_)) => Err(ConfigError::ListenWithoutTcp),
+            (TransportKind::Tcp, None) => Err(ConfigError::ListenMissing),
+            (TransportKind::Tcp, Some(text)) => match text.parse::<SocketAddr>() {
+                Ok(addr) if !addr.ip().is_unspecified() && !addr.ip().is_multicast() => {
+                    Ok(Some(addr))
+                }
+                _ => Err(ConfigError::BadListen { addr: text.clone() }),
+            },
+        }
+    }
+}
+
 /// Periodic health probe.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -466,6 +521,7 @@ impl Config {
                 drain: 2000,
             },
             probe: Probe::default(),
+            transfer: Transfer::default(),
         }
     }
 
@@ -502,7 +558,8 @@ impl Config {
             self.validate_pool(side)?;
         }
         validate_deadlines(&self.deadlines)?;
-        validate_control(&self.control)
+        validate_control(&self.control)?;
+        self.transfer.listen_addr().map(drop)
     }
 
     fn validate_pool(&self, side: Side) -> Result<(), ConfigError> {
@@ -830,6 +887,51 @@ mod tests {
     }
 
     #[test]
+    fn transfer_section() {
+        let base = minimal(16, 4096, 256, 1024, 1024);
+        let c = Config::from_toml_str(&base).unwrap();
+        assert_eq!(c.transfer.transport, TransportKind::Shm);
+        assert_eq!(c.transfer.listen_addr().unwrap(), None);
+        let tcp = format!("{base}[transfer]\ntransport = \"tcp\"\nlisten = \"192.0.2.1:7470\"\n");
+        let c = Config::from_toml_str(&tcp).unwrap();
+        assert_eq!(c.transfer.transport, TransportKind::Tcp);
+        assert_eq!(
+            c.transfer.listen_addr().unwrap(),
+            Some("192.0.2.1:7470".parse().unwrap())
+        );
+        let text = toml::to_string(&c).unwrap();
+        assert_eq!(Config::from_toml_str(&text).unwrap(), c);
+        let refused = |section: &str| Config::from_toml_str(&format!("{base}{section}")).err();
+        assert!(matches!(
+            refused("[transfer]\ntransport = \"tcp\"\n"),
+            Some(ConfigError::ListenMissing)
+        ));
+        assert!(matches!(
+            refused("[transfer]\nlisten = \"192.0.2.1:7470\"\n"),
+            Some(ConfigError::ListenWithoutTcp)
+        ));
+        for bad in [
+            "0.0.0.0:7470",
+            "[::]:7470",
+            "192.0.2.1",
+            "prefill:7470",
+            "224.0.0.1:1",
+        ] {
+            let section = format!("[transfer]\ntransport = \"tcp\"\nlisten = \"{bad}\"\n");
+            match refused(&section) {
+                Some(e @ ConfigError::BadListen { .. }) => {
+                    assert!(e.to_string().contains(bad), "{e}");
+                }
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+        assert!(matches!(
+            refused("[transfer]\ntransport = \"rdma\"\n"),
+            Some(ConfigError::Parse { .. })
+        ));
+    }
+
+    #[test]
     fn unknown_key_anywhere_is_refused() {
         let base = minimal(16, 4096, 256, 1024, 1024);
         Config::from_toml_str(&base).unwrap();
@@ -842,6 +944,7 @@ mod tests {
             format!("{base}[control]\nsocket_path = \"/run/x.sock\"\n"),
             format!("{base}[deadlines]\ntransfer_ms = 5000\n"),
             format!("{base}[probe]\ninterval = 5\n"),
+            format!("{base}[transfer]\nlisten_addr = \"192.0.2.1:1\"\n"),
             format!("{base}[prefil]\npool_pages = 4\n"),
         ];
         for text in cases {

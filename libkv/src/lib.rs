@@ -15,6 +15,7 @@ pub mod model;
 pub mod pool;
 pub mod proto;
 pub mod sys;
+pub mod tcp;
 pub mod verify;
 
 pub use geometry::{Dtype, Kv, PageGeometry};

@@ -78,6 +78,8 @@ pub enum PoolError {
     OutOfGrant { index: usize, pages: usize },
     #[error("append past the reservation's capacity of {capacity} tokens")]
     CapacityExhausted { capacity: u64 },
+    #[error("{page} is not a page of this reservation")]
+    NotOwned { page: PageId },
 }
 
 /// Monotonic counters of one pool (cheap atomics).
@@ -465,6 +467,30 @@ impl Reservation {
     pub fn has_writer(&mut self) -> bool {
         self.refresh_grant();
         self.grant_live
+    }
+
+    /// The bytes of `page`, for sending it to the peer that pulls it (a prefill page server).
+    /// Refused unless `page` is one of this reservation's pages and no writer can touch it.
+    pub fn read_page(&self, page: PageId) -> Result<&[u8], PoolError> {
+        let Some(index) = self.pages.iter().position(|&p| p == page) else {
+            return Err(PoolError::NotOwned { page });
+        };
+        {
+            let t = self.pool.inner.lock();
+            let s = &t.slots[page.index()];
+            if s.owner != Some(self.owner) {
+                return Err(PoolError::NotOwned { page });
+            }
+            if s.writers > 0 {
+                return Err(PoolError::WriterActive);
+            }
+        }
+        let ptr = self.pool.inner.page_ptr(self.pages[index])?;
+        // SAFETY: the page belongs to this live reservation (checked above, and a page leaves
+        // a reservation only when it is dropped, which `&self` excludes) and no writer holds
+        // it; a new writer needs `grant_pages(&mut self)`, which the borrow of `self` for the
+        // returned slice excludes.
+        Ok(unsafe { std::slice::from_raw_parts(ptr, self.pool.inner.page_bytes) })
     }
 
     /// Runs `f` on the owner's view of the table, under the table lock. Only `verify.rs` uses

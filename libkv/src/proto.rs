@@ -67,6 +67,26 @@
 //!   |                    |<------------- Freed(owner) ----|                      |
 //! ```
 //!
+//! # Pulling over TCP
+//!
+//! With `[transfer] transport = "tcp"` prefilld attaches no fd to `RegisterWorker`; it names
+//! its page server instead (a [`TcpEndpoint`]: address and a random token), and kvctld hands
+//! decoded a `PrefillEndpoint` instead of `PrefillPool`. Decode still pulls: for `PullKv` it
+//! connects to the page server (kvfence frames on the TCP stream, the same header) and asks
+//! for the manifest's pages:
+//!
+//! ```text
+//! decoded                                    prefilld page server
+//!   | PageRequest(token, owner, pages) ------->| token, owner held, every page in the
+//!   |                                          | owner's manifest, or Error and close
+//!   |<-- PageData(owner, 0, len) + len bytes --|
+//!   |<-- PageData(owner, 1, len) + len bytes --|  ... one per requested page, in order
+//! ```
+//!
+//! The page bytes follow their `PageData` frame raw (a page can be larger than
+//! [`MAX_BODY_LEN`]); decoded checks owner, index and `len` (exactly one page) before
+//! reading them straight into its own reservation's page, then verifies as on shared memory.
+//!
 //! Frames about a request carry its [`RequestId`] in the header; the client's `Submit`
 //! carries 0 and kvctld answers with the id it assigned. Every stage has a deadline. On
 //! failure kvctld sends `Error` to the client and `Abort` to each worker told of the owner.
@@ -405,6 +425,12 @@ msg_types! {
     PoolReport = 20,
     /// Worker to kvctld: the pages of an owner are back on the free list (no writer left).
     Freed = 21,
+    /// kvctld to decode worker: the prefill page server to pull from over TCP.
+    PrefillEndpoint = 22,
+    /// Decode worker to prefill page server (TCP): send these pages of an owner.
+    PageRequest = 23,
+    /// Prefill page server to decode worker (TCP): one page follows, `len` raw bytes.
+    PageData = 24,
 }
 
 /// How many file descriptors a frame of `msg_type` may carry: 1 for `RegisterWorker` and
@@ -491,10 +517,11 @@ impl Message {
     }
 
     /// File descriptors this message carries: 1 for `RegisterWorker` from a prefill
-    /// worker (its pool memfd) and for `PrefillPool`, 0 otherwise.
+    /// worker on shared memory (its pool memfd; none with a TCP endpoint) and for
+    /// `PrefillPool`, 0 otherwise.
     pub fn fd_count(&self) -> usize {
         match self {
-            Message::RegisterWorker(r) if r.role == Role::Prefill => 1,
+            Message::RegisterWorker(r) if r.role == Role::Prefill && r.endpoint.is_none() => 1,
             Message::PrefillPool(_) => 1,
             _ => 0,
         }
@@ -549,6 +576,9 @@ impl Message {
             Message::Abort(m) => check_text("reason", &m.reason),
             Message::PoolReport(m) => check_counters(&m.counters),
             Message::Freed(_) => Ok(()),
+            Message::PrefillEndpoint(m) => m.check(),
+            Message::PageRequest(m) => m.check(),
+            Message::PageData(_) => Ok(()),
         };
         r.map_err(|reason| ProtoError::Invalid { msg_type, reason })
     }
@@ -790,6 +820,8 @@ pub struct RegisterWorker {
     pub pool_pages: u32,
     /// Transports the worker can use, without repeats.
     pub transports: Vec<Transport>,
+    /// A prefill worker's TCP page server; then it lists `Tcp` and attaches no fd.
+    pub endpoint: Option<TcpEndpoint>,
 }
 
 impl RegisterWorker {
@@ -808,8 +840,45 @@ impl RegisterWorker {
         if let Some(dup) = self.transports.iter().find(|t| !seen.insert(**t)) {
             return Err(format!("transport {dup:?} listed twice"));
         }
+        if let Some(endpoint) = &self.endpoint {
+            if self.role != Role::Prefill || !self.transports.contains(&Transport::Tcp) {
+                return Err("only a prefill worker listing Tcp may name a TCP endpoint".to_owned());
+            }
+            check_addr(&endpoint.addr)?;
+        }
         Ok(())
     }
+}
+
+/// Longest `addr` of a [`TcpEndpoint`] ("[v6 address]:port" fits).
+pub const MAX_ADDR_BYTES: usize = 64;
+/// Bytes of the token a page server requires in every `PageRequest`.
+pub const TOKEN_BYTES: usize = 16;
+
+fn check_addr(addr: &str) -> Check {
+    if addr.len() > MAX_ADDR_BYTES {
+        return Err(format!(
+            "address of {} bytes exceeds {MAX_ADDR_BYTES}",
+            addr.len()
+        ));
+    }
+    match addr.parse::<std::net::SocketAddr>() {
+        Ok(a) if !a.ip().is_unspecified() && !a.ip().is_multicast() && a.port() != 0 => Ok(()),
+        _ => Err(format!(
+            "address {addr:?} is not IP:PORT with a unicast IP and a non-zero port"
+        )),
+    }
+}
+
+/// Where a prefill worker serves its pages over TCP, and the token it requires. The token
+/// travels only on the authenticated Unix socket (prefilld to kvctld to decoded), so a host
+/// that can reach the port but is not part of the stack cannot pull pages.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TcpEndpoint {
+    /// `IP:PORT` the page server listens on.
+    pub addr: String,
+    /// Random bytes drawn by prefilld at start.
+    pub token: [u8; TOKEN_BYTES],
 }
 
 /// Answer to `RegisterWorker`.
@@ -1064,6 +1133,67 @@ pub struct PrefillPool {
     pub pool_pages: u32,
 }
 
+/// kvctld hands a decode worker the prefill page server to pull from over TCP.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrefillEndpoint {
+    /// Shape of the prefill pool's pages.
+    pub geometry: PageGeometry,
+    /// Pages in the prefill pool.
+    pub pool_pages: u32,
+    /// The page server and its token.
+    pub endpoint: TcpEndpoint,
+}
+
+impl PrefillEndpoint {
+    fn check(&self) -> Check {
+        check_pool(&self.geometry, self.pool_pages)?;
+        check_addr(&self.endpoint.addr)
+    }
+}
+
+/// Decode worker to prefill page server, on TCP: send the listed pages of `owner`, in order.
+/// The server answers with one [`PageData`] and its bytes per page, or with one [`Error`]
+/// and closes the connection: it serves a page only if it holds a reservation for exactly
+/// `owner` (request and generation) and the page is in that owner's manifest.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PageRequest {
+    /// The token of the server's [`TcpEndpoint`].
+    pub token: [u8; TOKEN_BYTES],
+    /// Whose pages.
+    pub owner: Owner,
+    /// Pages of the prefill pool, 1 to [`MAX_MANIFEST_PAGES`], no repeats.
+    pub pages: Vec<PageId>,
+}
+
+impl PageRequest {
+    fn check(&self) -> Check {
+        if self.pages.is_empty() || self.pages.len() > MAX_MANIFEST_PAGES {
+            return Err(format!(
+                "{} pages, expected 1 to {MAX_MANIFEST_PAGES}",
+                self.pages.len()
+            ));
+        }
+        let mut seen: HashSet<PageId> = HashSet::with_capacity(self.pages.len());
+        if let Some(dup) = self.pages.iter().find(|p| !seen.insert(**p)) {
+            return Err(format!("{dup} listed twice"));
+        }
+        Ok(())
+    }
+}
+
+/// Page server to decode worker, on TCP: the `index`-th page of the request follows the
+/// frame as `len` raw bytes (not part of the frame body). The receiver checks `owner`,
+/// `index` and `len` (exactly one page) before reading a byte of it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PageData {
+    /// Whose page.
+    pub owner: Owner,
+    /// Position of the page in the `PageRequest`.
+    pub index: u32,
+    /// Bytes that follow.
+    pub len: u32,
+}
+
 /// kvctld asks a decode worker to pull and verify the pages of a manifest.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PullKv {
@@ -1180,6 +1310,7 @@ mod tests {
                 geometry: geometry(),
                 pool_pages: 128,
                 transports: vec![Transport::Shm, Transport::Rdma],
+                endpoint: None,
             }
             .into(),
             RegisterAck {
@@ -1284,7 +1415,32 @@ mod tests {
                 pages: 9,
             }
             .into(),
+            PrefillEndpoint {
+                geometry: geometry(),
+                pool_pages: 64,
+                endpoint: endpoint(),
+            }
+            .into(),
+            PageRequest {
+                token: [7; TOKEN_BYTES],
+                owner: owner(),
+                pages: vec![PageId(3), PageId(9)],
+            }
+            .into(),
+            PageData {
+                owner: owner(),
+                index: 1,
+                len: 4096,
+            }
+            .into(),
         ]
+    }
+
+    fn endpoint() -> TcpEndpoint {
+        TcpEndpoint {
+            addr: "192.0.2.1:7470".into(),
+            token: [0xa5; TOKEN_BYTES],
+        }
     }
 
     fn frame_with(msg: &Message, edit: impl FnOnce(&mut RawHeader)) -> Vec<u8> {
@@ -1298,7 +1454,7 @@ mod tests {
     #[test]
     fn every_type_round_trips() {
         let all = every_message();
-        assert_eq!(all.len(), 21, "one message per MsgType but Invalid");
+        assert_eq!(all.len(), 24, "one message per MsgType but Invalid");
         for (i, msg) in all.iter().enumerate() {
             assert_eq!(msg.msg_type() as usize, i + 1);
             let frame = msg.encode(RequestId(0x0102_0304_0506_0708)).unwrap();
@@ -1424,10 +1580,10 @@ mod tests {
     #[test]
     fn unknown_and_invalid_types() {
         let msg = Message::from(StatusQuery {});
-        let frame = frame_with(&msg, |h| h.msg_type = U16::new(22));
+        let frame = frame_with(&msg, |h| h.msg_type = U16::new(25));
         assert!(matches!(
             Header::parse(&frame),
-            Err(ProtoError::UnknownType { got: 22 })
+            Err(ProtoError::UnknownType { got: 25 })
         ));
         let frame = frame_with(&msg, |h| h.msg_type = U16::new(u16::MAX));
         assert!(matches!(
@@ -1548,6 +1704,7 @@ mod tests {
             geometry: geometry(),
             pool_pages: 8,
             transports: vec![Transport::Shm],
+            endpoint: None,
         };
         let frame = Message::from(decode.clone()).encode(RequestId(1)).unwrap();
         assert!(decode_frame(&frame, 0).is_ok());
@@ -1563,7 +1720,7 @@ mod tests {
             role: Role::Prefill,
             ..decode
         };
-        let frame = Message::from(prefill).encode(RequestId(1)).unwrap();
+        let frame = Message::from(prefill.clone()).encode(RequestId(1)).unwrap();
         assert!(decode_frame(&frame, 1).is_ok());
         assert!(matches!(
             decode_frame(&frame, 0),
@@ -1571,6 +1728,22 @@ mod tests {
                 msg_type: MsgType::RegisterWorker,
                 expected: 1,
                 got: 0
+            })
+        ));
+        // A prefill worker on TCP attaches no fd.
+        let tcp = RegisterWorker {
+            transports: vec![Transport::Tcp],
+            endpoint: Some(endpoint()),
+            ..prefill
+        };
+        let frame = Message::from(tcp).encode(RequestId(1)).unwrap();
+        assert!(decode_frame(&frame, 0).is_ok());
+        assert!(matches!(
+            decode_frame(&frame, 1),
+            Err(ProtoError::BadFds {
+                msg_type: MsgType::RegisterWorker,
+                expected: 0,
+                got: 1
             })
         ));
     }
@@ -1672,18 +1845,75 @@ mod tests {
             geometry: geometry(),
             pool_pages: 1,
             transports: vec![Transport::Shm],
+            endpoint: None,
         });
         invalid(RegisterWorker {
             role: Role::Decode,
             geometry: geometry(),
             pool_pages: 1,
             transports: vec![],
+            endpoint: None,
         });
         invalid(RegisterWorker {
             role: Role::Decode,
             geometry: geometry(),
             pool_pages: 1,
             transports: vec![Transport::Tcp, Transport::Tcp],
+            endpoint: None,
+        });
+        let tcp = RegisterWorker {
+            role: Role::Prefill,
+            geometry: geometry(),
+            pool_pages: 1,
+            transports: vec![Transport::Tcp],
+            endpoint: Some(endpoint()),
+        };
+        assert!(Message::from(tcp.clone()).validate().is_ok());
+        invalid(RegisterWorker {
+            role: Role::Decode,
+            ..tcp.clone()
+        });
+        invalid(RegisterWorker {
+            transports: vec![Transport::Shm],
+            ..tcp.clone()
+        });
+        for addr in [
+            "0.0.0.0:7470",
+            "192.0.2.1:0",
+            "192.0.2.1",
+            "host:80",
+            "224.0.0.1:1",
+        ] {
+            let reason = invalid(RegisterWorker {
+                endpoint: Some(TcpEndpoint {
+                    addr: addr.into(),
+                    ..endpoint()
+                }),
+                ..tcp.clone()
+            });
+            assert!(reason.contains("IP:PORT"), "{addr}: {reason}");
+        }
+        invalid(PrefillEndpoint {
+            geometry: geometry(),
+            pool_pages: 1,
+            endpoint: TcpEndpoint {
+                addr: "1".repeat(MAX_ADDR_BYTES + 1),
+                ..endpoint()
+            },
+        });
+        let request = PageRequest {
+            token: [0; TOKEN_BYTES],
+            owner: owner(),
+            pages: vec![PageId(1)],
+        };
+        assert!(Message::from(request.clone()).validate().is_ok());
+        invalid(PageRequest {
+            pages: vec![],
+            ..request.clone()
+        });
+        invalid(PageRequest {
+            pages: vec![PageId(1), PageId(1)],
+            ..request
         });
         invalid(PrefillPool {
             geometry: PageGeometry {
@@ -1866,7 +2096,7 @@ mod tests {
     /// Any known type with an arbitrary body, so random bodies reach the postcard layer.
     fn arb_framed_body() -> impl Strategy<Value = Vec<u8>> {
         (
-            1..=20u16,
+            1..=24u16,
             any::<u64>(),
             proptest::collection::vec(any::<u8>(), 0..256),
         )

@@ -81,6 +81,7 @@ fn valid_messages() -> Vec<(Message, usize)> {
             geometry: geometry(),
             pool_pages: 64,
             transports: vec![Transport::Shm, Transport::Rdma],
+            endpoint: None,
         }
         .into(),
         RegisterWorker {
@@ -88,6 +89,7 @@ fn valid_messages() -> Vec<(Message, usize)> {
             geometry: geometry(),
             pool_pages: 64,
             transports: vec![Transport::Tcp],
+            endpoint: None,
         }
         .into(),
         RegisterAck {

@@ -330,3 +330,39 @@ proptest! {
         run(ops, PoisonMode::Owner);
     }
 }
+
+/// `read_page` serves only the reservation's own pages, and none while a writer holds them.
+#[test]
+fn read_page_is_limited_to_owned_idle_pages() {
+    let g = geometry();
+    let pool = PagePool::host(c"kvtest-read", g, 8, PoolOptions::default()).unwrap();
+    let owner = |r| Owner {
+        request: RequestId(r),
+        generation: Generation(1),
+    };
+    let mut a = pool.reserve(owner(1), 8, 8).unwrap();
+    let b = pool.reserve(owner(2), 8, 8).unwrap();
+    {
+        let mut grant = a.grant_write().unwrap();
+        grant.page_mut(0).unwrap().fill(0xab);
+        let page = grant.pages()[0];
+        drop(grant);
+        assert!(a.read_page(page).unwrap().iter().all(|&x| x == 0xab));
+    }
+    let other = b.pages()[0];
+    assert_eq!(
+        a.read_page(other).unwrap_err(),
+        libkv::pool::PoolError::NotOwned { page: other }
+    );
+    assert!(!a.has_writer());
+    let grant = a.grant_write().unwrap();
+    assert_eq!(
+        a.read_page(a.pages()[0]).unwrap_err(),
+        libkv::pool::PoolError::WriterActive
+    );
+    drop(grant);
+    assert_eq!(
+        a.read_page(a.pages()[1]).unwrap().len(),
+        g.bytes_per_page() as usize
+    );
+}

@@ -8,24 +8,27 @@
 //! and a `PoolReport`.
 //!
 //! Everything runs on one mio event loop ([`link::serve`]); a prefill is short and runs on
-//! the loop thread.
+//! the loop thread. With `[transfer] transport = "tcp"` prefilld registers no fd but a TCP
+//! page server ([`pageserver`]) from which decoded pulls the pages of the owners it holds.
 
 use libkv::link::{self, page_count, pool_error_code, refuse};
 
-use libkv::config::{Backend, Config};
+pub mod pageserver;
+use pageserver::{HeldMap, PageServer, Served};
+
+use libkv::config::{Backend, Config, TransportKind};
 use libkv::memory::HostMemory;
 use libkv::model::{ModelError, ModelRunner, ReferenceModel, tokenize};
 use libkv::pool::{PagePool, PoolError, PoolOptions, Reservation};
 use libkv::proto::{
     ErrorCode, Freed, Header, Message, PrefillDone, PrefillRun, RegisterAck, RegisterWorker, Role,
-    Transport,
+    TcpEndpoint, Transport,
 };
 use libkv::verify::{Manifest, page_digest};
 use libkv::{Generation, Owner, RequestId};
 use link::{Link, Worker};
 use log::debug;
 use mio::{Poll, Waker};
-use std::collections::HashMap;
 use std::io;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
@@ -63,6 +66,16 @@ pub enum WorkerError {
     /// Creating the page pool failed.
     #[error("creating the page pool")]
     Pool(#[source] PoolError),
+    /// The configuration does not name a usable page server address.
+    #[error("the [transfer] section")]
+    Transfer(#[source] libkv::config::ConfigError),
+    /// Starting the TCP page server failed.
+    #[error("starting the page server on {addr}")]
+    PageServer {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: io::Error,
+    },
     /// The event loop failed.
     #[error("event loop")]
     EventLoop(#[from] LinkError),
@@ -74,7 +87,9 @@ impl WorkerError {
     pub fn is_config(&self) -> bool {
         matches!(
             self,
-            WorkerError::BackendUnavailable { .. } | WorkerError::Model(_)
+            WorkerError::BackendUnavailable { .. }
+                | WorkerError::Model(_)
+                | WorkerError::Transfer(_)
         )
     }
 
@@ -108,6 +123,9 @@ struct Counters {
     pages_written: AtomicU64,
     aborts: AtomicU64,
     freed_pages: AtomicU64,
+    pages_served: AtomicU64,
+    bytes_served: AtomicU64,
+    page_requests_refused: AtomicU64,
 }
 
 impl Counters {
@@ -119,6 +137,9 @@ impl Counters {
             ("pages_written", get(&self.pages_written)),
             ("aborts", get(&self.aborts)),
             ("freed_pages", get(&self.freed_pages)),
+            ("pages_served", get(&self.pages_served)),
+            ("bytes_served", get(&self.bytes_served)),
+            ("page_requests_refused", get(&self.page_requests_refused)),
         ]
         .into_iter()
         .map(|(n, v)| (n.to_owned(), v))
@@ -130,24 +151,26 @@ fn add(c: &AtomicU64, n: u64) {
     c.fetch_add(n, Ordering::Relaxed);
 }
 
-/// Pages kept for an owner until Release, Abort or `expires`.
-#[derive(Debug)]
-struct Held {
-    res: Reservation,
-    expires: Instant,
-}
-
 /// The prefill worker's state, driven by the event loop.
 #[derive(Debug)]
 struct Prefill {
     pool: PagePool,
     model: ReferenceModel,
-    counters: Counters,
-    held: HashMap<Owner, Held>,
+    counters: Arc<Counters>,
+    /// Pages kept per owner until Release, Abort or their deadline; shared with the page
+    /// server, which serves only these.
+    held: HeldMap,
+    /// Owners released while the page server may still be sending their pages: freed and
+    /// reported once the server let go of them.
+    releasing: Vec<(Owner, Arc<Served>)>,
+    server: Option<PageServer>,
     generation: Option<Generation>,
     max_context: u32,
     hold_for: Duration,
 }
+
+/// How often the loop looks at `releasing` if no wake-up came.
+const RELEASE_POLL: Duration = Duration::from_millis(50);
 
 /// Runs prefilld until SIGTERM/SIGINT or `opts.shutdown`.
 pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
@@ -158,7 +181,11 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
     let bytes = cfg.prefill.pool_bytes(&cfg.geometry);
     let memory = HostMemory::new(c"kvfence-prefill", bytes)
         .map_err(|source| WorkerError::Memory { bytes, source })?;
-    let ro_fd = memory.read_only_fd().map_err(WorkerError::ReadOnlyFd)?;
+    let listen = cfg.transfer.listen_addr().map_err(WorkerError::Transfer)?;
+    let ro_fd = match cfg.transfer.transport {
+        TransportKind::Shm => Some(memory.read_only_fd().map_err(WorkerError::ReadOnlyFd)?),
+        TransportKind::Tcp => None,
+    };
     let pool = PagePool::new(
         cfg.geometry,
         cfg.prefill.pool_pages,
@@ -172,16 +199,48 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
 
     let poll = Poll::new().map_err(LinkError::Setup)?;
     let waker = Arc::new(Waker::new(poll.registry(), link::WAKER).map_err(LinkError::Setup)?);
-    let counters = Counters::default();
+    let counters = Arc::new(Counters::default());
+    let held = HeldMap::default();
+    let (server, endpoint) = match listen {
+        None => (None, None),
+        Some(addr) => {
+            let token = libkv::tcp::random_token()
+                .map_err(|source| WorkerError::PageServer { addr, source })?;
+            let limits = pageserver::Limits {
+                idle: cfg.deadlines.request(),
+                transfer: cfg.deadlines.transfer(),
+            };
+            let server = PageServer::start(
+                addr,
+                token,
+                held.clone(),
+                Arc::clone(&waker),
+                Arc::clone(&counters),
+                limits,
+            )
+            .map_err(|source| WorkerError::PageServer { addr, source })?;
+            let endpoint = TcpEndpoint {
+                addr: server.local_addr().to_string(),
+                token,
+            };
+            log::info!("serving pages on {}", endpoint.addr);
+            (Some(server), Some(endpoint))
+        }
+    };
+    let transports = match endpoint {
+        Some(_) => vec![Transport::Tcp],
+        None => vec![Transport::Shm],
+    };
     let link = Link::new(
         cfg.control.socket.clone(),
         RegisterWorker {
             role: Role::Prefill,
             geometry: cfg.geometry,
             pool_pages: cfg.prefill.pool_pages,
-            transports: vec![Transport::Shm],
+            transports,
+            endpoint,
         },
-        Some(ro_fd),
+        ro_fd,
         cfg.deadlines.bootstrap(),
         Arc::clone(&counters.frames_received),
     );
@@ -189,7 +248,9 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
         pool,
         model,
         counters,
-        held: HashMap::new(),
+        held,
+        releasing: Vec::new(),
+        server,
         generation: None,
         max_context: cfg.limits.max_context,
         hold_for: cfg.deadlines.request(),
@@ -221,7 +282,8 @@ impl Prefill {
         if let Err(reason) = self.check_owner(id, owner) {
             return refuse(link, id, ErrorCode::BadRequest, reason);
         }
-        if self.held.contains_key(&owner) {
+        if self.held.lock().contains_key(&owner) || self.releasing.iter().any(|(o, _)| *o == owner)
+        {
             let reason = format!("duplicate PrefillRun for {owner}");
             return refuse(link, id, ErrorCode::BadRequest, reason);
         }
@@ -252,19 +314,18 @@ impl Prefill {
                 debug!("prefilled {owner}: {n} tokens in {} pages", pages.len());
                 add(&self.counters.prefill_runs, 1);
                 add(&self.counters.pages_written, pages.len() as u64);
+                let served = Arc::new(Served {
+                    res,
+                    pages: pages.clone(),
+                    expires: Instant::now() + self.hold_for,
+                });
                 let manifest = Manifest {
                     owner,
                     tokens: n,
                     pages,
                     digests,
                 };
-                self.held.insert(
-                    owner,
-                    Held {
-                        res,
-                        expires: Instant::now() + self.hold_for,
-                    },
-                );
+                self.held.lock().insert(owner, served);
                 link.send(id, PrefillDone { manifest });
                 self.report(link);
             }
@@ -320,20 +381,37 @@ impl Prefill {
         if abort {
             add(&self.counters.aborts, 1);
         }
-        let Some(held) = self.held.remove(&owner) else {
+        let Some(served) = self.held.lock().remove(&owner) else {
             debug!("nothing held for {owner}; ignoring");
             return;
         };
-        let pages = page_count(&held.res);
-        drop(held);
-        debug!("released {owner} ({pages} pages)");
-        self.freed(link, owner, pages);
+        debug!("releasing {owner}");
+        self.releasing.push((owner, served));
+        self.settle(link);
+    }
+
+    /// Frees and reports the released owners no page server connection still sends.
+    fn settle(&mut self, link: &mut Link) {
+        let mut i = 0;
+        while i < self.releasing.len() {
+            if Arc::strong_count(&self.releasing[i].1) == 1 {
+                let (owner, served) = self.releasing.swap_remove(i);
+                let pages = page_count(&served.res);
+                drop(served);
+                debug!("freed {owner} ({pages} pages)");
+                self.freed(link, owner, pages);
+            } else {
+                i += 1;
+            }
+        }
     }
 }
 
 impl Worker for Prefill {
     fn can_register(&self) -> bool {
-        self.held.is_empty() && self.pool.usage().free == self.pool.pages()
+        self.held.lock().is_empty()
+            && self.releasing.is_empty()
+            && self.pool.usage().free == self.pool.pages()
     }
 
     fn on_registered(&mut self, link: &mut Link, ack: &RegisterAck) {
@@ -357,41 +435,54 @@ impl Worker for Prefill {
     }
 
     fn on_lost(&mut self) {
-        // The connection is gone: nobody will Release these pages.
-        self.held.clear();
+        // The connection is gone: nobody will Release these pages. A page server connection
+        // still sending some keeps them until it lets go (then the pool is all free again
+        // and the worker registers anew).
+        self.held.lock().clear();
+        self.releasing.clear();
         self.generation = None;
     }
 
+    fn on_wake(&mut self, link: &mut Link) {
+        self.settle(link);
+    }
+
     fn next_deadline(&self) -> Option<Instant> {
-        self.held.values().map(|h| h.expires).min()
+        let poll = (!self.releasing.is_empty()).then(|| Instant::now() + RELEASE_POLL);
+        self.held
+            .lock()
+            .values()
+            .map(|h| h.expires)
+            .chain(poll)
+            .min()
     }
 
     fn expire(&mut self, link: &mut Link, now: Instant) {
-        let expired: Vec<Owner> = self
-            .held
-            .iter()
-            .filter(|(_, h)| h.expires <= now)
-            .map(|(o, _)| *o)
-            .collect();
-        for owner in expired {
-            if let Some(held) = self.held.remove(&owner) {
-                let pages = page_count(&held.res);
-                drop(held);
-                debug!("request deadline passed for {owner}; freed {pages} pages");
-                self.freed(link, owner, pages);
-            }
+        let expired: Vec<(Owner, Arc<Served>)> = {
+            let mut held = self.held.lock();
+            let owners: Vec<Owner> = held
+                .iter()
+                .filter(|(_, h)| h.expires <= now)
+                .map(|(o, _)| *o)
+                .collect();
+            owners
+                .into_iter()
+                .filter_map(|o| held.remove(&o).map(|h| (o, h)))
+                .collect()
+        };
+        for (owner, served) in expired {
+            debug!("request deadline passed for {owner}; releasing");
+            self.releasing.push((owner, served));
         }
+        self.settle(link);
     }
 
     fn shutdown(&mut self, link: &mut Link) {
-        let owners: Vec<Owner> = self.held.keys().copied().collect();
-        for owner in owners {
-            if let Some(held) = self.held.remove(&owner) {
-                let pages = page_count(&held.res);
-                drop(held);
-                self.freed(link, owner, pages);
-            }
-        }
+        // Stop the page server first: its connections let go of every page.
+        drop(self.server.take());
+        let held: Vec<(Owner, Arc<Served>)> = self.held.lock().drain().collect();
+        self.releasing.extend(held);
+        self.settle(link);
     }
 }
 

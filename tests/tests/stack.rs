@@ -8,7 +8,7 @@
 
 use kvctld::client::{Client, ClientError, GenerateOutcome, REPLY_SLACK, exit};
 use kvctld::stack::{Daemon, Stack, StackOptions, default_bin_dir, error_chain, wait_until};
-use libkv::config::Config;
+use libkv::config::{Config, Transfer, TransportKind};
 use libkv::model::{Output, ReferenceModel, monolithic, tokenize};
 use libkv::proto::{ErrorCode, Role, StatusReply};
 use std::collections::BTreeMap;
@@ -143,10 +143,34 @@ fn assert_matches(out: &GenerateOutcome, want: &Output, what: &str) {
     );
 }
 
+/// The TCP transport on loopback: prefilld serves its pages on a free port of 127.0.0.1.
+fn tcp(config: &mut Config) {
+    config.transfer = Transfer {
+        transport: TransportKind::Tcp,
+        listen: Some("127.0.0.1:0".into()),
+    };
+}
+
+/// Fails unless prefilld served pages over TCP (`tcp`) or none (shared memory).
+fn assert_transport(stack: &Stack, tcp: bool) {
+    let s = stack.status().expect("status");
+    let served = counter(&s, "prefilld.pages_served").unwrap_or(0);
+    assert_eq!(served > 0, tcp, "pages served over TCP: {served}");
+}
+
 #[test]
 fn concurrent_requests_of_four_tenants_match_the_monolithic_path() {
+    concurrent_requests_match_the_monolithic_path(|_| {}, false);
+}
+
+#[test]
+fn concurrent_requests_over_tcp_match_the_monolithic_path() {
+    concurrent_requests_match_the_monolithic_path(tcp, true);
+}
+
+fn concurrent_requests_match_the_monolithic_path(tweak: fn(&mut Config), over_tcp: bool) {
     let begun = Instant::now();
-    let (_dir, _logs, stack) = start(|_| {});
+    let (_dir, _logs, stack) = start(tweak);
     let model = model(&stack);
     let geometry = stack.config().geometry;
     let tenants = ["acme", "globex", "initech", "umbrella"];
@@ -198,6 +222,7 @@ fn concurrent_requests_of_four_tenants_match_the_monolithic_path() {
     ids.dedup();
     assert_eq!(ids.len(), jobs.len(), "request ids are not unique");
     assert_pools_drain(&stack, Duration::from_secs(5));
+    assert_transport(&stack, over_tcp);
     assert!(begun.elapsed() < TEST_BOUND, "took {:?}", begun.elapsed());
 }
 
@@ -306,8 +331,17 @@ struct Attempt {
 
 #[test]
 fn killing_prefilld_mid_flight_fails_requests_cleanly_and_leaks_no_pages() {
+    kill_prefilld_mid_flight(|_| {}, false);
+}
+
+#[test]
+fn killing_prefilld_mid_transfer_over_tcp_fails_requests_cleanly_and_leaks_no_pages() {
+    kill_prefilld_mid_flight(tcp, true);
+}
+
+fn kill_prefilld_mid_flight(tweak: fn(&mut Config), over_tcp: bool) {
     let begun = Instant::now();
-    let (_dir, _logs, mut stack) = start(|_| {});
+    let (_dir, _logs, mut stack) = start(tweak);
     let model = model(&stack);
     let admission_wait = stack.config().deadlines.admission_wait();
     let stop = AtomicBool::new(false);
@@ -443,6 +477,7 @@ fn killing_prefilld_mid_flight_fails_requests_cleanly_and_leaks_no_pages() {
         assert_matches(&out, &expected(&model, &p, 40), "request after restart");
     }
     assert_pools_drain(&stack, Duration::from_secs(5));
+    assert_transport(&stack, over_tcp);
     assert!(begun.elapsed() < TEST_BOUND, "took {:?}", begun.elapsed());
 }
 

@@ -724,6 +724,7 @@ mod tests {
             },
             pool_pages: 4,
             transports: vec![crate::proto::Transport::Shm],
+            endpoint: None,
         });
         send_frame(&a, &msg.encode(RequestId(0)).unwrap(), &[]).unwrap();
         assert!(matches!(
