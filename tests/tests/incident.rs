@@ -175,7 +175,6 @@ fn the_incident_build_is_caught() {
         .unwrap_or_else(|| {
             let bin = default_bin_dir().unwrap();
             bin.parent()
-                .and_then(Path::parent)
                 .map(|t| t.join("faulty/release"))
                 .unwrap_or(bin)
         });
