@@ -1,4 +1,5 @@
-//! RDMA transport groundwork: device discovery and selection.
+//! RDMA transport groundwork: device discovery and selection, pool registration and
+//! per-request memory windows (see [`RegisteredPool`]).
 //!
 //! Devices are reached through `sideway`, which loads libibverbs at run time: a binary built
 //! with RDMA support still starts on a host without it, and [`rdma_status`] says why RDMA is
@@ -17,6 +18,9 @@ use sideway::ibverbs::device::{DeviceInfo, DeviceList, GetDeviceListErrorKind};
 use sideway::ibverbs::device_context::DeviceContext;
 
 use crate::config::RdmaConfig;
+
+mod window;
+pub use window::{Completion, QpEndpoint, RdmaQp, RegisteredPool, RequestWindow};
 
 /// Errors of RDMA device discovery and selection.
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +74,25 @@ pub enum RdmaError {
         gid_index: u32,
         valid: Vec<GidInfo>,
     },
+
+    #[error("{op} failed")]
+    Verb {
+        op: &'static str,
+        #[source]
+        source: io::Error,
+    },
+
+    #[error("{op} completed with status {status}")]
+    Completion { op: &'static str, status: u32 },
+
+    #[error("work request {wr_id} did not complete within {after:?}")]
+    Stuck {
+        wr_id: u64,
+        after: std::time::Duration,
+    },
+
+    #[error("out of range: {what}")]
+    OutOfRange { what: &'static str },
 }
 
 impl RdmaError {
