@@ -188,6 +188,8 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
     if cfg.decode.backend == Backend::Cuda {
         return Err(WorkerError::BackendUnavailable { backend: "cuda" });
     }
+    // Only a probe for now: the transport stays shm or TCP; this says once why RDMA is off.
+    libkv::rdma::log_status();
     let model = ReferenceModel::new(cfg.geometry).map_err(WorkerError::Model)?;
     let bytes = cfg.decode.pool_bytes(&cfg.geometry);
     // The decode pool's fd never leaves this process: only the pool holds it.

@@ -175,6 +175,14 @@ pub enum ConfigError {
          (not 0.0.0.0 or ::)"
     )]
     BadListen { addr: String },
+
+    #[error(
+        "rdma.device is empty; name the RDMA device (as `ibv_devices` lists it, e.g. \"mlx5_0\")"
+    )]
+    RdmaDeviceEmpty,
+
+    #[error("rdma.port is 0; RDMA ports are numbered from 1")]
+    RdmaPortZero,
 }
 
 fn in_file(path: Option<&Path>) -> String {
@@ -198,6 +206,9 @@ pub struct Config {
     pub probe: Probe,
     #[serde(default)]
     pub transfer: Transfer,
+    /// The RDMA device, when RDMA is wanted; without it the workers use shm or TCP only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rdma: Option<RdmaConfig>,
 }
 
 /// Request size limits, in tokens. Both are required: there is no safe default.
@@ -439,6 +450,51 @@ impl Transfer {
     }
 }
 
+/// The optional `[rdma]` section: which RDMA device, port and GID the workers use.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RdmaConfig {
+    /// Device name as libibverbs reports it (`mlx5_0`, `rxe0`).
+    pub device: String,
+    /// Port number, from 1.
+    #[serde(default = "default_rdma_port")]
+    pub port: u8,
+    /// Index in the port's GID table. On RoCE, index 0 is usually the link-local RoCE v1
+    /// GID and index 1 the RoCE v2 GID of the first IP address.
+    #[serde(default = "default_rdma_gid_index")]
+    pub gid_index: u32,
+}
+
+fn default_rdma_port() -> u8 {
+    1
+}
+
+fn default_rdma_gid_index() -> u32 {
+    1
+}
+
+impl RdmaConfig {
+    /// A configuration for `device` with the default port and GID index.
+    pub fn for_device(device: impl Into<String>) -> RdmaConfig {
+        RdmaConfig {
+            device: device.into(),
+            port: default_rdma_port(),
+            gid_index: default_rdma_gid_index(),
+        }
+    }
+
+    /// Checks what can be checked without the device.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.device.is_empty() {
+            return Err(ConfigError::RdmaDeviceEmpty);
+        }
+        if self.port == 0 {
+            return Err(ConfigError::RdmaPortZero);
+        }
+        Ok(())
+    }
+}
+
 /// Periodic health probe.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -522,6 +578,7 @@ impl Config {
             },
             probe: Probe::default(),
             transfer: Transfer::default(),
+            rdma: None,
         }
     }
 
@@ -559,6 +616,9 @@ impl Config {
         }
         validate_deadlines(&self.deadlines)?;
         validate_control(&self.control)?;
+        if let Some(rdma) = &self.rdma {
+            rdma.validate()?;
+        }
         self.transfer.listen_addr().map(drop)
     }
 
@@ -725,7 +785,10 @@ mod tests {
     #[test]
     fn example_file_sets_every_key() {
         let example: toml::Table = toml::from_str(EXAMPLE).unwrap();
-        let all = toml::Table::try_from(Config::embedded_default(DEFAULT_SOCKET.into())).unwrap();
+        let mut all = Config::embedded_default(DEFAULT_SOCKET.into());
+        // optional sections: the example documents them too
+        all.rdma = Some(RdmaConfig::for_device("mlx5_0"));
+        let all = toml::Table::try_from(all).unwrap();
         let (mut want, mut got) = (Vec::new(), Vec::new());
         key_paths(&all, "", &mut want);
         key_paths(&example, "", &mut got);
@@ -735,6 +798,44 @@ mod tests {
             got, want,
             "kvfence.example.toml must set and document every key"
         );
+    }
+
+    #[test]
+    fn rdma_section_is_optional_with_defaults() {
+        let base = minimal(16, 4096, 256, 1024, 1024);
+        assert_eq!(Config::from_toml_str(&base).unwrap().rdma, None);
+        let c = Config::from_toml_str(&format!("{base}\n[rdma]\ndevice = \"rxe0\"\n")).unwrap();
+        assert_eq!(c.rdma, Some(RdmaConfig::for_device("rxe0")));
+        let rdma = c.rdma.unwrap();
+        assert_eq!((rdma.port, rdma.gid_index), (1, 1));
+        let c = Config::from_toml_str(&format!(
+            "{base}\n[rdma]\ndevice = \"mlx5_1\"\nport = 2\ngid_index = 3\n"
+        ))
+        .unwrap();
+        let rdma = c.rdma.unwrap();
+        assert_eq!(
+            (rdma.device.as_str(), rdma.port, rdma.gid_index),
+            ("mlx5_1", 2, 3)
+        );
+    }
+
+    #[test]
+    fn rdma_section_is_strict() {
+        let base = minimal(16, 4096, 256, 1024, 1024);
+        for (body, what) in [
+            ("device = \"rxe0\"\ngid = 1\n", "unknown key"),
+            ("port = 1\n", "device missing"),
+            ("device = \"rxe0\"\nport = 256\n", "port out of range"),
+            ("device = \"rxe0\"\ngid_index = -1\n", "negative GID index"),
+        ] {
+            let err = Config::from_toml_str(&format!("{base}\n[rdma]\n{body}")).unwrap_err();
+            assert!(matches!(err, ConfigError::Parse { .. }), "{what}: {err}");
+        }
+        let err = Config::from_toml_str(&format!("{base}\n[rdma]\ndevice = \"\"\n")).unwrap_err();
+        assert!(matches!(err, ConfigError::RdmaDeviceEmpty), "{err}");
+        let err = Config::from_toml_str(&format!("{base}\n[rdma]\ndevice = \"rxe0\"\nport = 0\n"))
+            .unwrap_err();
+        assert!(matches!(err, ConfigError::RdmaPortZero), "{err}");
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub mod memory;
 pub mod model;
 pub mod pool;
 pub mod proto;
+pub mod rdma;
 pub mod sys;
 pub mod tcp;
 pub mod verify;

@@ -177,6 +177,8 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
     if cfg.prefill.backend == Backend::Cuda {
         return Err(WorkerError::BackendUnavailable { backend: "cuda" });
     }
+    // Only a probe for now: the transport stays shm or TCP; this says once why RDMA is off.
+    libkv::rdma::log_status();
     let model = ReferenceModel::new(cfg.geometry).map_err(WorkerError::Model)?;
     let bytes = cfg.prefill.pool_bytes(&cfg.geometry);
     let memory = HostMemory::new(c"kvfence-prefill", bytes)

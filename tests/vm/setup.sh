@@ -12,7 +12,12 @@
 # only when missing or when its recipe changed (a stamp holds the recipe's hash), so a warm run
 # takes about a second. The debootstrap step (~2 min, network) is the slow one.
 #
-# Usage: tests/vm/setup.sh [--rebuild-rootfs] [--rebuild-all]
+# With --rxe it prepares the soft-RoCE guest of tests/vm/rxe.sh instead: the same kernel, a
+# second initramfs (tests/vm/rxe-init.sh as /init, rdma_rxe and its dependencies, the dummy
+# netdev) that runs a script in a chroot of the host root, and the host's rxe provider
+# library (ibverbs-providers); no rootfs.
+#
+# Usage: tests/vm/setup.sh [--rebuild-rootfs] [--rebuild-all] [--rxe]
 # Env:   KVFENCE_VM_CACHE   cache directory
 #        KVFENCE_VM_MIRROR  Debian mirror for debootstrap (default: the one apt is configured
 #                           with, read from `apt-get indextargets`)
@@ -23,11 +28,13 @@ here=$(cd "$(dirname "$0")" && pwd)
 cache=${KVFENCE_VM_CACHE:-$HOME/.cache/kvfence-vm}
 rebuild_rootfs=0
 rebuild_all=0
+rxe=0
 for a in "$@"; do
   case $a in
     --rebuild-rootfs) rebuild_rootfs=1 ;;
     --rebuild-all) rebuild_all=1; rebuild_rootfs=1 ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    --rxe) rxe=1 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "setup: unknown argument $a" >&2; exit 1 ;;
   esac
 done
@@ -40,10 +47,20 @@ command -v apt-get >/dev/null || skip "needs a Debian-like host (apt-get) to fet
 
 # --- host packages -----------------------------------------------------------------------------
 need=()
-for p in qemu-system-x86:qemu-system-x86_64 cpio:cpio kmod:depmod xz-utils:xz zstd:zstd \
-         debootstrap:debootstrap; do
+if [ "$rxe" = 1 ]; then
+  tools="iproute2:rdma"
+else
+  tools="debootstrap:debootstrap"
+fi
+for p in qemu-system-x86:qemu-system-x86_64 cpio:cpio kmod:depmod xz-utils:xz zstd:zstd $tools; do
   command -v "${p#*:}" >/dev/null || need+=("${p%%:*}")
 done
+# the guest runs host binaries on the host's libraries: libibverbs and its rxe provider
+if [ "$rxe" = 1 ]; then
+  for p in libibverbs1 ibverbs-providers; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || need+=("$p")
+  done
+fi
 # a dynamically linked busybox cannot run inside the initramfs: the static one is required
 dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' || need+=(busybox-static)
 if [ ${#need[@]} -gt 0 ]; then
@@ -54,17 +71,29 @@ if [ ${#need[@]} -gt 0 ]; then
          timeout 900 apt-get install -y -q -o DPkg::Lock::Timeout=300 --no-install-recommends "${need[@]}" >/dev/null; }
 fi
 # debootstrap, chroot and the 9p export of a root-owned tree need root
-[ "$(id -u)" = 0 ] || skip "building the guest rootfs needs root (debootstrap)"
+[ "$(id -u)" = 0 ] || skip "building the guest rootfs needs root (debootstrap, 9p export of /)"
 
 mkdir -p "$cache"
-[ "$rebuild_all" = 1 ] && rm -rf "$cache/kernel" "$cache/initramfs.cpio.gz" "$cache/initramfs.stamp"
+[ "$rebuild_all" = 1 ] && rm -rf "$cache/kernel" "$cache/initramfs.cpio.gz" "$cache/initramfs.stamp" \
+  "$cache/initramfs-rxe.cpio.gz" "$cache/initramfs-rxe.stamp"
 
 # --- kernel ------------------------------------------------------------------------------------
 K=$cache/kernel
-mods="virtio_pci 9pnet_virtio 9p overlay"
-istamp() { (cat "$here/guest-init.sh"; echo "$mods $(cat "$K/KV" 2>/dev/null)") | sha256sum | cut -c1-16; }
+# the initramfs this run prepares: name, /init script, modules (deps resolved below)
+if [ "$rxe" = 1 ]; then
+  iname=initramfs-rxe
+  init_script=$here/rxe-init.sh
+  # crc32 shash for rxe's ICRC, preloaded so that no request_module happens in the chroot;
+  # dummy for the netdev rxe sits on
+  mods="virtio_pci 9pnet_virtio 9p overlay dummy crc32_generic crc32_pclmul rdma_rxe"
+else
+  iname=initramfs
+  init_script=$here/guest-init.sh
+  mods="virtio_pci 9pnet_virtio 9p overlay"
+fi
+istamp() { (cat "$init_script"; echo "$mods $(cat "$K/KV" 2>/dev/null)") | sha256sum | cut -c1-16; }
 initramfs_stale() {
-  [ "$(cat "$cache/initramfs.stamp" 2>/dev/null)" != "$(istamp)" ] || [ ! -f "$cache/initramfs.cpio.gz" ]
+  [ "$(cat "$cache/$iname.stamp" 2>/dev/null)" != "$(istamp)" ] || [ ! -f "$cache/$iname.cpio.gz" ]
 }
 # (the modules are pruned once the initramfs is built: an initramfs rebuild refetches them)
 if [ ! -f "$K/KV" ] || [ ! -f "$K/vmlinux" ] || { initramfs_stale && [ ! -d "$K/lib/modules" ]; }; then
@@ -113,13 +142,17 @@ if initramfs_stale; then
       echo "$b" >> "$w/modules.list"
     done
   done
-  install -m 755 "$here/guest-init.sh" "$w/init"
-  (cd "$w" && find . | cpio -o -H newc --quiet | gzip -1) > "$cache/initramfs.cpio.gz.new"
-  mv "$cache/initramfs.cpio.gz.new" "$cache/initramfs.cpio.gz"
-  istamp > "$cache/initramfs.stamp"
+  install -m 755 "$init_script" "$w/init"
+  (cd "$w" && find . | cpio -o -H newc --quiet | gzip -1) > "$cache/$iname.cpio.gz.new"
+  mv "$cache/$iname.cpio.gz.new" "$cache/$iname.cpio.gz"
+  istamp > "$cache/$iname.stamp"
   rm -rf "$w"; trap - EXIT
   rm -rf "${K:?}/lib" "${K:?}/vmlinuz"    # 400+ MB of modules the guest does not need
-  log "initramfs ready ($(du -h "$cache/initramfs.cpio.gz" | cut -f1))"
+  log "$iname ready ($(du -h "$cache/$iname.cpio.gz" | cut -f1))"
+fi
+if [ "$rxe" = 1 ]; then
+  log "ready in $((SECONDS - t0)) s: $cache (soft-RoCE guest)"
+  exit 0
 fi
 
 # --- rootfs ------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
 //! Thin wrappers over system calls. All unsafe code of libkv lives below this module.
 
 pub mod memfd;
+pub mod rdma;
 pub mod uds;

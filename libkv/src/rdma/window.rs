@@ -1,0 +1,448 @@
+//! Pool registration and per-request memory windows.
+//!
+//! A pool is registered once ([`RegisteredPool`]) with remote access and the right to bind
+//! memory windows; the pool's rkey never leaves the process. Each request gets a type-2
+//! window ([`RequestWindow`]) bound over exactly its run of pages, on the QP that serves
+//! the peer, and a fresh rkey: the peer can reach those pages and no others. When the
+//! request ends the window is invalidated (LOCAL_INV) and the rkey is dead, even for a peer
+//! that kept it.
+//!
+//! Windows hold their QP, so a QP is only destroyed once every window bound on it has been
+//! invalidated (destroying a QP with a bound window stalls the kernel for about a minute).
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::io;
+use std::ptr::NonNull;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use sideway::ibverbs::AccessFlags;
+use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
+use sideway::ibverbs::completion::{BasicCompletionQueue, PollCompletionQueueError};
+use sideway::ibverbs::device_context::Mtu;
+use sideway::ibverbs::memory_region::MemoryRegion;
+use sideway::ibverbs::protection_domain::ProtectionDomain;
+use sideway::ibverbs::queue_pair::{
+    ExtendedQueuePair, QueuePair, QueuePairAttribute, QueuePairState, SendOperationFlags,
+};
+
+use super::{RdmaDevice, RdmaError};
+use crate::ids::PageId;
+use crate::memory::{HostMemory, PoolMemory};
+use crate::sys::rdma as sys;
+
+/// How long a work request may take to complete before it is reported as stuck.
+const COMPLETION_TIMEOUT: Duration = Duration::from_secs(5);
+
+fn verb(op: &'static str) -> impl FnOnce(io::Error) -> RdmaError {
+    move |source| RdmaError::Verb { op, source }
+}
+
+fn boxed(op: &'static str) -> impl FnOnce(Box<dyn std::error::Error + Send + Sync>) -> RdmaError {
+    move |e| RdmaError::Verb {
+        op,
+        source: io::Error::other(e),
+    }
+}
+
+/// What a QP's peer needs to connect to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QpEndpoint {
+    pub qp_num: u32,
+    pub psn: u32,
+    pub gid: Gid,
+}
+
+/// One completed work request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Completion {
+    pub wr_id: u64,
+    /// `ibv_wc_status` (0 = success; 10 = remote access error).
+    pub status: u32,
+}
+
+impl Completion {
+    /// Whether the request succeeded.
+    pub fn is_success(&self) -> bool {
+        self.status == rdma_mummy_sys::ibv_wc_status::IBV_WC_SUCCESS
+    }
+
+    /// Whether the peer refused the access (bad or invalidated rkey, out of bounds).
+    pub fn is_remote_access_error(&self) -> bool {
+        self.status == rdma_mummy_sys::ibv_wc_status::IBV_WC_REM_ACCESS_ERR
+    }
+}
+
+/// A reliable-connected QP on a basic CQ, able to write, bind windows and invalidate them.
+pub struct RdmaQp {
+    qp: ExtendedQueuePair,
+    cq: Arc<BasicCompletionQueue>,
+    pd: Arc<ProtectionDomain>,
+    port: u8,
+    gid_index: u32,
+    local: QpEndpoint,
+    next_wr: Cell<u64>,
+    done: RefCell<HashMap<u64, u32>>,
+}
+
+impl std::fmt::Debug for RdmaQp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaQp")
+            .field("local", &self.local)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RdmaQp {
+    /// Creates a QP in `pd` on `dev`'s port, in INIT.
+    pub fn new(
+        dev: &RdmaDevice,
+        pd: &Arc<ProtectionDomain>,
+        psn: u32,
+    ) -> Result<RdmaQp, RdmaError> {
+        // Basic CQs: extended ones report phantom completions on rxe (rdma-core 44).
+        let cq = dev
+            .context()
+            .create_cq_builder()
+            .setup_cqe(256)
+            .build()
+            .map_err(|e| boxed("ibv_create_cq")(Box::new(e)))?;
+        // The send ops replace sideway's defaults, so every one used is listed; without
+        // BindMemoryWindow / LocalInvalidate the ibv_wr_* entry points are null.
+        let mut qp = pd
+            .create_qp_builder()
+            .setup_max_send_wr(128)
+            .setup_max_recv_wr(1)
+            .setup_max_send_sge(1)
+            .setup_max_recv_sge(1)
+            .setup_send_cq(Arc::clone(&cq))
+            .setup_recv_cq(Arc::clone(&cq))
+            .setup_send_ops_flags(
+                SendOperationFlags::Write
+                    | SendOperationFlags::Read
+                    | SendOperationFlags::BindMemoryWindow
+                    | SendOperationFlags::LocalInvalidate,
+            )
+            .build_ex()
+            .map_err(|e| boxed("ibv_create_qp_ex")(Box::new(e)))?;
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::Init)
+            .setup_pkey_index(0)
+            .setup_port(dev.port())
+            .setup_access_flags(
+                AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead,
+            );
+        qp.modify(&attr)
+            .map_err(|e| boxed("ibv_modify_qp(INIT)")(Box::new(e)))?;
+        let local = QpEndpoint {
+            qp_num: qp.qp_number(),
+            psn: psn & 0x00ff_ffff,
+            gid: dev.gid(),
+        };
+        Ok(RdmaQp {
+            qp,
+            cq,
+            pd: Arc::clone(pd),
+            port: dev.port(),
+            gid_index: dev.gid_index(),
+            local,
+            next_wr: Cell::new(1),
+            done: RefCell::new(HashMap::new()),
+        })
+    }
+
+    /// What the peer needs to connect to this QP.
+    pub fn endpoint(&self) -> QpEndpoint {
+        self.local
+    }
+
+    /// Moves the QP to RTR then RTS, connected to `remote`.
+    pub fn connect(&mut self, remote: &QpEndpoint) -> Result<(), RdmaError> {
+        let gid_index = u8::try_from(self.gid_index)
+            .map_err(|_| verb("ibv_modify_qp(RTR)")(io::Error::other("GID index above 255")))?;
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::ReadyToReceive)
+            .setup_path_mtu(Mtu::Mtu1024)
+            .setup_dest_qp_num(remote.qp_num)
+            .setup_rq_psn(remote.psn)
+            .setup_max_dest_read_atomic(1)
+            .setup_min_rnr_timer(12);
+        let mut ah = AddressHandleAttribute::new();
+        ah.setup_dest_lid(0)
+            .setup_port(self.port)
+            .setup_service_level(0)
+            .setup_grh_src_gid_index(gid_index)
+            .setup_grh_dest_gid(&remote.gid)
+            .setup_grh_hop_limit(1);
+        attr.setup_address_vector(&ah);
+        self.qp
+            .modify(&attr)
+            .map_err(|e| boxed("ibv_modify_qp(RTR)")(Box::new(e)))?;
+        let mut attr = QueuePairAttribute::new();
+        // retry_cnt 7 would retry forever: a dead peer must end in an error completion.
+        attr.setup_state(QueuePairState::ReadyToSend)
+            .setup_sq_psn(self.local.psn)
+            .setup_timeout(14)
+            .setup_retry_cnt(6)
+            .setup_rnr_retry(6)
+            .setup_max_read_atomic(1);
+        self.qp
+            .modify(&attr)
+            .map_err(|e| boxed("ibv_modify_qp(RTS)")(Box::new(e)))
+    }
+
+    /// The protection domain of this QP.
+    pub fn pd(&self) -> &Arc<ProtectionDomain> {
+        &self.pd
+    }
+
+    fn wr_id(&self) -> u64 {
+        let id = self.next_wr.get();
+        self.next_wr.set(id + 1);
+        id
+    }
+
+    /// Waits for the completion of `wr_id`, keeping the others it drains for later.
+    pub fn wait(&self, wr_id: u64) -> Result<Completion, RdmaError> {
+        let deadline = Instant::now() + COMPLETION_TIMEOUT;
+        loop {
+            if let Some(status) = self.done.borrow_mut().remove(&wr_id) {
+                return Ok(Completion { wr_id, status });
+            }
+            match self.cq.start_poll() {
+                Ok(poller) => {
+                    // drain the whole batch: a dropped poller loses the rest
+                    let mut done = self.done.borrow_mut();
+                    for wc in poller {
+                        done.insert(wc.wr_id(), wc.status());
+                    }
+                }
+                Err(PollCompletionQueueError::CompletionQueueEmpty) => {}
+                Err(e) => return Err(boxed("ibv_poll_cq")(Box::new(e))),
+            }
+            if Instant::now() > deadline {
+                return Err(RdmaError::Stuck {
+                    wr_id,
+                    after: COMPLETION_TIMEOUT,
+                });
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// RDMA WRITE of `src` (inside `src_mr`) to `raddr` under `rkey`; returns its completion,
+    /// which says whether the peer accepted it.
+    pub fn write(
+        &self,
+        src_mr: &MemoryRegion,
+        src: &[u8],
+        rkey: u32,
+        raddr: u64,
+    ) -> Result<Completion, RdmaError> {
+        let base = src_mr.get_ptr() as u64;
+        let laddr = src.as_ptr() as u64;
+        if laddr < base || laddr + src.len() as u64 > base + src_mr.region_len() as u64 {
+            return Err(RdmaError::OutOfRange {
+                what: "write source outside its memory region",
+            });
+        }
+        let len = u32::try_from(src.len()).map_err(|_| RdmaError::OutOfRange {
+            what: "write longer than 4 GiB",
+        })?;
+        let wr = self.wr_id();
+        // SAFETY: `src` is borrowed until the completion below, and lies inside `src_mr`
+        // (checked above), which the caller keeps registered for the borrow.
+        unsafe { sys::post_write(&self.qp, wr, src_mr.lkey(), laddr, len, rkey, raddr) }
+            .map_err(verb("ibv_wr_rdma_write"))?;
+        self.wait(wr)
+    }
+}
+
+/// A pool's memory, registered for remote access and window binding.
+pub struct RegisteredPool {
+    mr: Arc<MemoryRegion>,
+    page_bytes: u64,
+    pages: u32,
+    // after `mr`: the mapping outlives its registration
+    memory: Arc<HostMemory>,
+}
+
+impl std::fmt::Debug for RegisteredPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegisteredPool")
+            .field("pages", &self.pages)
+            .field("page_bytes", &self.page_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RegisteredPool {
+    /// Registers all of `memory`, split in pages of `page_bytes`, in `pd`.
+    pub fn new(
+        pd: &Arc<ProtectionDomain>,
+        memory: Arc<HostMemory>,
+        page_bytes: u64,
+    ) -> Result<RegisteredPool, RdmaError> {
+        let len = memory.len();
+        if len.checked_rem(page_bytes) != Some(0) {
+            return Err(RdmaError::OutOfRange {
+                what: "pool length is not a whole number of pages",
+            });
+        }
+        let pages = u32::try_from(len / page_bytes).map_err(|_| RdmaError::OutOfRange {
+            what: "more than 2^32 pages",
+        })?;
+        let ptr: NonNull<u8> = memory.host_ptr().ok_or(RdmaError::OutOfRange {
+            what: "pool memory has no host mapping",
+        })?;
+        let bytes = usize::try_from(len).map_err(|_| RdmaError::OutOfRange {
+            what: "pool larger than the address space",
+        })?;
+        // SAFETY: `ptr` maps `len` bytes for as long as `memory` lives (a sealed memfd that
+        // cannot shrink); `memory` is kept in the pool, dropped after the MR.
+        let mr = unsafe {
+            sys::reg_mr(
+                pd,
+                ptr,
+                bytes,
+                AccessFlags::LocalWrite
+                    | AccessFlags::RemoteWrite
+                    | AccessFlags::RemoteRead
+                    | AccessFlags::MemoryWindowBind,
+            )
+        }
+        .map_err(|e| boxed("ibv_reg_mr")(Box::new(e)))?;
+        Ok(RegisteredPool {
+            mr,
+            page_bytes,
+            pages,
+            memory,
+        })
+    }
+
+    /// The memory region (its rkey covers the whole pool: never give it to a peer).
+    pub fn mr(&self) -> &Arc<MemoryRegion> {
+        &self.mr
+    }
+
+    /// The registered memory.
+    pub fn memory(&self) -> &Arc<HostMemory> {
+        &self.memory
+    }
+
+    /// Address of page `page` in the registration.
+    pub fn page_addr(&self, page: PageId) -> Option<u64> {
+        (page.0 < self.pages)
+            .then(|| self.mr.get_ptr() as u64 + u64::from(page.0) * self.page_bytes)
+    }
+
+    /// Binds a new type-2 window over pages `[first, first + count)` on `qp` (the QP the
+    /// peer writes through), remote write only, and waits for the bind to complete.
+    pub fn bind_window(
+        &self,
+        qp: &Rc<RdmaQp>,
+        first: PageId,
+        count: u32,
+    ) -> Result<RequestWindow, RdmaError> {
+        let end = first
+            .0
+            .checked_add(count)
+            .filter(|&e| count > 0 && e <= self.pages);
+        if end.is_none() {
+            return Err(RdmaError::OutOfRange {
+                what: "window pages outside the pool",
+            });
+        }
+        let addr = self.mr.get_ptr() as u64 + u64::from(first.0) * self.page_bytes;
+        let len = u64::from(count) * self.page_bytes;
+        let mut mw = sys::MemoryWindow::alloc_type2(qp.pd()).map_err(verb("ibv_alloc_mw"))?;
+        // a fresh key for each bind: the low 8 bits are ours to change (no overflow)
+        let old = mw.rkey();
+        let rkey = (old & !0xff) | (old.wrapping_add(1) & 0xff);
+        let wr = qp.wr_id();
+        sys::post_bind(&qp.qp, wr, &mw, rkey, &self.mr, addr, len)
+            .map_err(verb("ibv_wr_bind_mw"))?;
+        let c = qp.wait(wr)?;
+        if !c.is_success() {
+            return Err(RdmaError::Completion {
+                op: "bind memory window",
+                status: c.status,
+            });
+        }
+        mw.set_rkey(rkey);
+        Ok(RequestWindow {
+            _mw: mw,
+            qp: Rc::clone(qp),
+            rkey,
+            addr,
+            len,
+            bound: true,
+        })
+    }
+}
+
+/// A type-2 memory window over one request's pages.
+#[derive(Debug)]
+pub struct RequestWindow {
+    // deallocated on drop, after the invalidation in `Drop`
+    _mw: sys::MemoryWindow,
+    qp: Rc<RdmaQp>,
+    rkey: u32,
+    addr: u64,
+    len: u64,
+    bound: bool,
+}
+
+impl RequestWindow {
+    /// The key the peer writes with.
+    pub fn rkey(&self) -> u32 {
+        self.rkey
+    }
+
+    /// The first byte's address, as the peer names it.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the window is empty (never: a window covers at least one page).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Invalidates the window (LOCAL_INV) and waits: afterwards its rkey is refused.
+    pub fn invalidate(mut self) -> Result<(), RdmaError> {
+        self.invalidate_inner()
+    }
+
+    fn invalidate_inner(&mut self) -> Result<(), RdmaError> {
+        if !self.bound {
+            return Ok(());
+        }
+        let wr = self.qp.wr_id();
+        sys::post_local_inv(&self.qp.qp, wr, self.rkey).map_err(verb("ibv_wr_local_inv"))?;
+        let c = self.qp.wait(wr)?;
+        self.bound = false;
+        if !c.is_success() {
+            return Err(RdmaError::Completion {
+                op: "invalidate memory window",
+                status: c.status,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for RequestWindow {
+    fn drop(&mut self) {
+        if let Err(e) = self.invalidate_inner() {
+            log::warn!("invalidating a request window on drop: {e}");
+        }
+    }
+}
