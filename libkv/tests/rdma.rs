@@ -5,6 +5,7 @@
 //! `tests/vm/rxe.sh` runs them against soft-RoCE (rdma_rxe) in a VM. The availability test
 //! runs everywhere.
 
+#![cfg(feature = "rdma")]
 #![allow(clippy::print_stdout)]
 
 use libkv::config::RdmaConfig;

@@ -44,7 +44,7 @@ for f in kernel/vmlinux initramfs-rxe.cpio.gz; do
 done
 
 # The test binary: cargo names it with a hash, its JSON messages say which.
-build_args=(test --release --locked -p libkv --test rdma --no-run --message-format=json)
+build_args=(test --release --locked -p libkv --features rdma --test rdma --no-run --message-format=json)
 [ "$build" = 1 ] && echo "rxe: cargo ${build_args[*]}"
 [ "$build" = 1 ] || build_args+=(--offline)
 bin=$(cd "$root" && timeout 1800 cargo "${build_args[@]}" 2>/dev/null \
