@@ -262,6 +262,12 @@ enum Stop {
     Failed { code: ErrorCode, message: String },
 }
 
+impl From<libkv::model::ModelError> for Stop {
+    fn from(e: libkv::model::ModelError) -> Stop {
+        failed(ErrorCode::Internal, e.to_string())
+    }
+}
+
 fn failed(code: ErrorCode, message: String) -> Stop {
     Stop::Failed { code, message }
 }
@@ -395,41 +401,32 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
 
     let decode_deadline = (Instant::now() + decode).min(request_deadline);
     let model: &dyn ModelRunner = &ctx.model;
-    let internal = |e: libkv::model::ModelError| failed(ErrorCode::Internal, e.to_string());
     let mut batch = Vec::with_capacity(TOKENS_PER_FRAME);
     let mut first_index = 0u32;
-    for step in 0..max_new_tokens {
-        check(decode_deadline, "decode")?;
-        let token = model
-            .next_token(&kv, step, manifest.tokens)
-            .map_err(internal)?;
-        let pos = kv.tokens();
-        kv.append(|page, slot| model.write_token(page, slot, token, pos))
-            .map_err(|e| failed(ErrorCode::Internal, e.to_string()))?;
-        add(&counters.tokens_generated, 1);
-        batch.push(token);
-        if batch.len() == TOKENS_PER_FRAME {
-            let tokens = std::mem::replace(&mut batch, Vec::with_capacity(TOKENS_PER_FRAME));
-            emit(
-                Tokens {
-                    first_index,
-                    tokens,
-                }
-                .into(),
-            );
-            first_index = step + 1;
-        }
-    }
-    if !batch.is_empty() {
-        emit(
-            Tokens {
-                first_index,
-                tokens: batch,
+    check(decode_deadline, "decode")?;
+    let output = libkv::model::decode_with(
+        model,
+        &mut kv,
+        manifest.tokens,
+        max_new_tokens,
+        |step, token| {
+            add(&counters.tokens_generated, 1);
+            batch.push(token);
+            if batch.len() == TOKENS_PER_FRAME || step + 1 == max_new_tokens {
+                let tokens = std::mem::replace(&mut batch, Vec::with_capacity(TOKENS_PER_FRAME));
+                emit(
+                    Tokens {
+                        first_index,
+                        tokens,
+                    }
+                    .into(),
+                );
+                first_index = step + 1;
             }
-            .into(),
-        );
-    }
-    let signature = model.signature(&kv);
+            check(decode_deadline, "decode")
+        },
+    )?;
+    let signature = output.signature;
     let pages = u32::try_from(manifest.pages.len()).unwrap_or(u32::MAX);
     emit(
         Done {

@@ -384,14 +384,30 @@ pub fn decode(
     max_new: u32,
     mut on_token: impl FnMut(u32, u32),
 ) -> Result<Output, ModelError> {
+    decode_with(model, kv, prompt_len, max_new, |step, t| {
+        on_token(step, t);
+        Ok::<(), ModelError>(())
+    })
+}
+
+/// Like [`decode`], but `after_token(step, token)` may stop the decode between steps with
+/// its own error (a cancelled request, a passed deadline): the one decode loop every caller
+/// shares.
+pub fn decode_with<E: From<ModelError>>(
+    model: &dyn ModelRunner,
+    kv: &mut VerifiedKv,
+    prompt_len: u32,
+    max_new: u32,
+    mut after_token: impl FnMut(u32, u32) -> Result<(), E>,
+) -> Result<Output, E> {
     let mut out = Vec::with_capacity(max_new as usize);
     for step in 0..max_new {
         let t = model.next_token(kv, step, prompt_len)?;
         let pos = kv.tokens();
         kv.append(|page, slot| model.write_token(page, slot, t, pos))
             .map_err(ModelError::Pool)?;
-        on_token(step, t);
         out.push(t);
+        after_token(step, t)?;
     }
     Ok(Output {
         signature: model.signature(kv),
