@@ -20,24 +20,13 @@ struct Args {
     check_config: bool,
 }
 
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
-}
-
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let args = Args::parse();
     let cfg = match libkv::config::Config::load(&args.config) {
         Ok(c) => c,
         Err(e) => {
-            log::error!("{}", chain(&e));
+            log::error!("{}", libkv::error_chain(&e));
             return ExitCode::from(2);
         }
     };
@@ -48,7 +37,7 @@ fn main() -> ExitCode {
     match kvctld::ctl::run(cfg) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            log::error!("{}", chain(&e));
+            log::error!("{}", libkv::error_chain(&e));
             ExitCode::from(1)
         }
     }

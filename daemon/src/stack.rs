@@ -594,17 +594,7 @@ pub fn worker_connected(status: &StatusReply, role: Role) -> bool {
     status.workers.iter().any(|w| w.role == role && w.connected)
 }
 
-/// `e` and its sources, joined with ": ".
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
-}
+pub use libkv::error_chain;
 
 /// The last `lines` lines of `text`.
 fn tail(text: &str, lines: usize) -> String {

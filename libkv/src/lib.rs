@@ -21,3 +21,16 @@ pub mod verify;
 
 pub use geometry::{Dtype, Kv, PageGeometry};
 pub use ids::{Generation, Owner, PageId, PoolOffset, RequestId};
+
+/// `error: cause: cause...`, the whole chain of an error on one line, as the binaries print
+/// it once.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}

@@ -103,17 +103,7 @@ impl WorkerError {
     }
 }
 
-/// `error: cause: cause...`, the whole chain on one line.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
+pub use libkv::error_chain;
 
 /// Counters reported in every `PoolReport` (names from the request flow).
 #[derive(Debug, Default)]
