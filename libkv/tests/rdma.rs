@@ -92,7 +92,7 @@ mod windows {
     use super::*;
     use libkv::PageId;
     use libkv::memory::{HostMemory, PoolMemory};
-    use libkv::rdma::{RdmaQp, RegisteredPool};
+    use libkv::rdma::{RdmaQp, RegisteredPool, WindowAccess};
     use std::rc::Rc;
     use std::sync::Arc;
     use std::time::Instant;
@@ -109,7 +109,7 @@ mod windows {
         peer: RdmaQp,
     }
 
-    fn snapshot(mem: &HostMemory) -> Vec<u8> {
+    fn snapshot(mem: &dyn PoolMemory) -> Vec<u8> {
         let ptr = mem.host_ptr().unwrap();
         let len = usize::try_from(mem.len()).unwrap();
         // SAFETY: the mapping is `len` bytes long and lives as long as `mem`; no RDMA
@@ -134,8 +134,8 @@ mod windows {
         fill(&src_mem, 0xee);
         let pool = RegisteredPool::new(&pd, pool_mem, PAGE).unwrap_or_else(|e| panic!("{e}"));
         let src = RegisteredPool::new(&pd, src_mem, PAGE).unwrap_or_else(|e| panic!("{e}"));
-        let mut owner = RdmaQp::new(&dev, &pd, 0x1000).unwrap_or_else(|e| panic!("{e}"));
-        let mut peer = RdmaQp::new(&dev, &pd, 0x2000).unwrap_or_else(|e| panic!("{e}"));
+        let mut owner = RdmaQp::new(&dev, &pd, 0x1000, true).unwrap_or_else(|e| panic!("{e}"));
+        let mut peer = RdmaQp::new(&dev, &pd, 0x2000, true).unwrap_or_else(|e| panic!("{e}"));
         let (a, b) = (owner.endpoint(), peer.endpoint());
         owner.connect(&b).unwrap_or_else(|e| panic!("{e}"));
         peer.connect(&a).unwrap_or_else(|e| panic!("{e}"));
@@ -163,7 +163,7 @@ mod windows {
         let (first, count) = (PageId(5), 3);
         let window = lb
             .pool
-            .bind_window(&lb.owner, first, count)
+            .bind_window(&lb.owner, first, count, WindowAccess::Write)
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(window.addr(), lb.pool.page_addr(first).unwrap());
         assert_eq!(window.len(), u64::from(count) * PAGE);
@@ -209,7 +209,7 @@ mod windows {
         let lb = loopback(&cfg);
         let window = lb
             .pool
-            .bind_window(&lb.owner, PageId(2), 2)
+            .bind_window(&lb.owner, PageId(2), 2, WindowAccess::Write)
             .unwrap_or_else(|e| panic!("{e}"));
         let (rkey, addr, len) = (window.rkey(), window.addr(), window.len());
         window.invalidate().unwrap_or_else(|e| panic!("{e}"));
@@ -238,7 +238,7 @@ mod windows {
             let t = Instant::now();
             let window = lb
                 .pool
-                .bind_window(&lb.owner, PageId(i % PAGES), 1)
+                .bind_window(&lb.owner, PageId(i % PAGES), 1, WindowAccess::Write)
                 .unwrap_or_else(|e| panic!("bind {i}: {e}"));
             window
                 .invalidate()

@@ -13,7 +13,10 @@ use crate::config::RdmaConfig;
 
 #[path = "window.rs"]
 mod window;
-pub use window::{Completion, QpEndpoint, RdmaQp, RegisteredPool, RequestWindow};
+pub use window::{
+    Completion, PageRead, QpEndpoint, RdmaQp, ReadStats, RegisteredPool, RequestWindow,
+    WindowAccess,
+};
 
 /// Errors of RDMA device discovery and selection.
 #[derive(Debug, thiserror::Error)]
@@ -84,6 +87,9 @@ pub enum RdmaError {
         after: std::time::Duration,
     },
 
+    #[error("stopped before the transfer completed")]
+    Stopped,
+
     #[error("out of range: {what}")]
     OutOfRange { what: &'static str },
 }
@@ -145,6 +151,8 @@ pub struct RdmaDevice {
     port: u8,
     gid_index: u32,
     gid: Gid,
+    /// RDMA READs one QP may have outstanding (initiator and responder), at most 16.
+    read_depth: u8,
     context: Arc<DeviceContext>,
 }
 
@@ -178,6 +186,11 @@ impl RdmaDevice {
     /// The GID at the checked index.
     pub fn gid(&self) -> Gid {
         self.gid
+    }
+
+    /// RDMA READs a QP on this device may have in flight at once.
+    pub fn read_depth(&self) -> u8 {
+        self.read_depth
     }
 
     /// The opened device.
@@ -285,11 +298,18 @@ pub fn select_device(cfg: &RdmaConfig) -> Result<RdmaDevice, RdmaError> {
             });
         }
     };
+    // Both ends must accept the depth: the responder's max_qp_rd_atom and the initiator's
+    // max_qp_init_rd_atom; 16 is what common NICs offer and plenty for page runs.
+    let depth = attr
+        .max_qp_rd_atom()
+        .min(attr.max_qp_init_rd_atom())
+        .clamp(1, 16);
     Ok(RdmaDevice {
         name,
         port: cfg.port,
         gid_index: cfg.gid_index,
         gid,
+        read_depth: u8::try_from(depth).unwrap_or(1),
         context,
     })
 }

@@ -31,10 +31,17 @@ use sideway::ibverbs::queue_pair::{
 use super::{RdmaDevice, RdmaError};
 use crate::ids::PageId;
 use crate::memory::{HostMemory, PoolMemory};
+use crate::pool::PagePool;
 use crate::sys::rdma as sys;
 
 /// How long a work request may take to complete before it is reported as stuck.
 const COMPLETION_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Largest single RDMA READ: contiguous page runs are coalesced up to this size.
+pub const MAX_READ_BYTES: u64 = 4 << 20;
+
+/// Most RDMA READs one [`RdmaQp::read_pages`] keeps posted at once.
+const READS_POSTED: usize = 64;
 
 fn verb(op: &'static str) -> impl FnOnce(io::Error) -> RdmaError {
     move |source| RdmaError::Verb { op, source }
@@ -75,13 +82,35 @@ impl Completion {
     }
 }
 
-/// A reliable-connected QP on a basic CQ, able to write, bind windows and invalidate them.
+/// One page (or run of pages) to read: where it lands here and where it is on the peer.
+#[derive(Debug)]
+pub struct PageRead<'a> {
+    /// The destination, inside the memory region given to [`RdmaQp::read_pages`].
+    pub dst: &'a mut [u8],
+    /// The window key the peer handed out for this page.
+    pub rkey: u32,
+    /// The page's address in the peer's window.
+    pub raddr: u64,
+}
+
+/// What [`RdmaQp::read_pages`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReadStats {
+    /// RDMA READs posted (contiguous pages coalesced).
+    pub reads: u32,
+    /// Bytes read.
+    pub bytes: u64,
+}
+
+/// A reliable-connected QP on a basic CQ, able to read, write, bind windows and invalidate
+/// them.
 pub struct RdmaQp {
     qp: ExtendedQueuePair,
     cq: Arc<BasicCompletionQueue>,
     pd: Arc<ProtectionDomain>,
     port: u8,
     gid_index: u32,
+    read_depth: u8,
     local: QpEndpoint,
     next_wr: Cell<u64>,
     done: RefCell<HashMap<u64, u32>>,
@@ -96,11 +125,14 @@ impl std::fmt::Debug for RdmaQp {
 }
 
 impl RdmaQp {
-    /// Creates a QP in `pd` on `dev`'s port, in INIT.
+    /// Creates a QP in `pd` on `dev`'s port, in INIT. With `remote_access` the peer may
+    /// read and write through the windows bound on this QP; without, the peer can reach
+    /// nothing on this side whatever key it holds.
     pub fn new(
         dev: &RdmaDevice,
         pd: &Arc<ProtectionDomain>,
         psn: u32,
+        remote_access: bool,
     ) -> Result<RdmaQp, RdmaError> {
         // Basic CQs: extended ones report phantom completions on rxe (rdma-core 44).
         let cq = dev
@@ -113,7 +145,7 @@ impl RdmaQp {
         // BindMemoryWindow / LocalInvalidate the ibv_wr_* entry points are null.
         let mut qp = pd
             .create_qp_builder()
-            .setup_max_send_wr(128)
+            .setup_max_send_wr(u32::try_from(READS_POSTED * 2).unwrap_or(128))
             .setup_max_recv_wr(1)
             .setup_max_send_sge(1)
             .setup_max_recv_sge(1)
@@ -127,13 +159,16 @@ impl RdmaQp {
             )
             .build_ex()
             .map_err(|e| boxed("ibv_create_qp_ex")(Box::new(e)))?;
+        let access = if remote_access {
+            AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead
+        } else {
+            AccessFlags::LocalWrite
+        };
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::Init)
             .setup_pkey_index(0)
             .setup_port(dev.port())
-            .setup_access_flags(
-                AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead,
-            );
+            .setup_access_flags(access);
         qp.modify(&attr)
             .map_err(|e| boxed("ibv_modify_qp(INIT)")(Box::new(e)))?;
         let local = QpEndpoint {
@@ -147,6 +182,7 @@ impl RdmaQp {
             pd: Arc::clone(pd),
             port: dev.port(),
             gid_index: dev.gid_index(),
+            read_depth: dev.read_depth(),
             local,
             next_wr: Cell::new(1),
             done: RefCell::new(HashMap::new()),
@@ -167,7 +203,7 @@ impl RdmaQp {
             .setup_path_mtu(Mtu::Mtu1024)
             .setup_dest_qp_num(remote.qp_num)
             .setup_rq_psn(remote.psn)
-            .setup_max_dest_read_atomic(1)
+            .setup_max_dest_read_atomic(self.read_depth)
             .setup_min_rnr_timer(12);
         let mut ah = AddressHandleAttribute::new();
         ah.setup_dest_lid(0)
@@ -187,7 +223,7 @@ impl RdmaQp {
             .setup_timeout(14)
             .setup_retry_cnt(6)
             .setup_rnr_retry(6)
-            .setup_max_read_atomic(1);
+            .setup_max_read_atomic(self.read_depth);
         self.qp
             .modify(&attr)
             .map_err(|e| boxed("ibv_modify_qp(RTS)")(Box::new(e)))
@@ -204,6 +240,22 @@ impl RdmaQp {
         id
     }
 
+    /// Moves every completion the CQ holds into `done`.
+    fn poll(&self) -> Result<(), RdmaError> {
+        match self.cq.start_poll() {
+            Ok(poller) => {
+                // drain the whole batch: a dropped poller loses the rest
+                let mut done = self.done.borrow_mut();
+                for wc in poller {
+                    done.insert(wc.wr_id(), wc.status());
+                }
+                Ok(())
+            }
+            Err(PollCompletionQueueError::CompletionQueueEmpty) => Ok(()),
+            Err(e) => Err(boxed("ibv_poll_cq")(Box::new(e))),
+        }
+    }
+
     /// Waits for the completion of `wr_id`, keeping the others it drains for later.
     pub fn wait(&self, wr_id: u64) -> Result<Completion, RdmaError> {
         let deadline = Instant::now() + COMPLETION_TIMEOUT;
@@ -211,17 +263,7 @@ impl RdmaQp {
             if let Some(status) = self.done.borrow_mut().remove(&wr_id) {
                 return Ok(Completion { wr_id, status });
             }
-            match self.cq.start_poll() {
-                Ok(poller) => {
-                    // drain the whole batch: a dropped poller loses the rest
-                    let mut done = self.done.borrow_mut();
-                    for wc in poller {
-                        done.insert(wc.wr_id(), wc.status());
-                    }
-                }
-                Err(PollCompletionQueueError::CompletionQueueEmpty) => {}
-                Err(e) => return Err(boxed("ibv_poll_cq")(Box::new(e))),
-            }
+            self.poll()?;
             if Instant::now() > deadline {
                 return Err(RdmaError::Stuck {
                     wr_id,
@@ -260,13 +302,165 @@ impl RdmaQp {
     }
 }
 
-/// A pool's memory, registered for remote access and window binding.
+impl RdmaQp {
+    /// Moves the QP to the error state: every posted request completes (flushed) and the
+    /// peer can no longer reach anything through it.
+    pub fn fail(&mut self) -> Result<(), RdmaError> {
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::Error);
+        self.qp
+            .modify(&attr)
+            .map_err(|e| boxed("ibv_modify_qp(ERR)")(Box::new(e)))
+    }
+
+    /// Reads `pages` from the peer with RDMA READs into memory registered under `mr`,
+    /// coalescing pages contiguous on both sides (up to [`MAX_READ_BYTES`]), with up to 64
+    /// reads posted at once. `keep_going` is asked between completions; when it says stop,
+    /// or a read fails, the QP is failed and drained.
+    ///
+    /// The QP is consumed and given back only on success: on any error it is destroyed
+    /// before this returns, so no read still in flight can land in the destination pages
+    /// after their borrow ends (a destroyed QP no longer touches memory).
+    pub fn read_pages(
+        mut self,
+        mr: &MemoryRegion,
+        pages: Vec<PageRead<'_>>,
+        keep_going: &mut dyn FnMut() -> bool,
+    ) -> Result<(RdmaQp, ReadStats), RdmaError> {
+        let base = mr.get_ptr() as u64;
+        let end = base + mr.region_len() as u64;
+        // (local address, length, rkey, remote address)
+        let mut segments: Vec<(u64, u64, u32, u64)> = Vec::new();
+        for p in &pages {
+            let (laddr, len) = (p.dst.as_ptr() as u64, p.dst.len() as u64);
+            if len == 0 || laddr < base || laddr + len > end {
+                return Err(RdmaError::OutOfRange {
+                    what: "read destination outside its memory region",
+                });
+            }
+            if len > u64::from(u32::MAX) {
+                return Err(RdmaError::OutOfRange {
+                    what: "read of a page over 4 GiB",
+                });
+            }
+            match segments.last_mut() {
+                Some(s)
+                    if s.2 == p.rkey
+                        && s.0 + s.1 == laddr
+                        && s.3 + s.1 == p.raddr
+                        && s.1 + len <= MAX_READ_BYTES =>
+                {
+                    s.1 += len;
+                }
+                _ => segments.push((laddr, len, p.rkey, p.raddr)),
+            }
+        }
+        let mut stats = ReadStats::default();
+        let mut posted: Vec<u64> = Vec::with_capacity(READS_POSTED);
+        let mut next = 0;
+        let mut progress = Instant::now();
+        let outcome = 'reading: loop {
+            while next < segments.len() && posted.len() < READS_POSTED {
+                let (laddr, len, rkey, raddr) = segments[next];
+                // a segment is one page (at most 4 GiB, checked) or at most MAX_READ_BYTES
+                let len32 = u32::try_from(len).unwrap_or(u32::MAX);
+                let wr = self.wr_id();
+                // SAFETY: `[laddr, laddr + len)` lies inside `mr` (checked above) and is
+                // made of the `dst` slices, mutably borrowed by `pages` for this call; on
+                // any early return the QP is failed, drained and destroyed first.
+                let post =
+                    unsafe { sys::post_read(&self.qp, wr, mr.lkey(), laddr, len32, rkey, raddr) };
+                if let Err(e) = post {
+                    break 'reading Err(verb("ibv_wr_rdma_read")(e));
+                }
+                posted.push(wr);
+                stats.reads += 1;
+                stats.bytes += len;
+                next += 1;
+            }
+            if posted.is_empty() && next == segments.len() {
+                break Ok(());
+            }
+            if let Err(e) = self.poll() {
+                break Err(e);
+            }
+            let mut failed = None;
+            {
+                let mut done = self.done.borrow_mut();
+                posted.retain(|id| match done.remove(id) {
+                    Some(status) => {
+                        if status != rdma_mummy_sys::ibv_wc_status::IBV_WC_SUCCESS {
+                            failed.get_or_insert(status);
+                        }
+                        false
+                    }
+                    None => true,
+                });
+            }
+            if let Some(status) = failed {
+                break Err(RdmaError::Completion {
+                    op: "RDMA READ",
+                    status,
+                });
+            }
+            if posted.len() < READS_POSTED {
+                progress = Instant::now();
+            }
+            if !keep_going() {
+                break Err(RdmaError::Stopped);
+            }
+            if progress.elapsed() > COMPLETION_TIMEOUT {
+                break Err(RdmaError::Stuck {
+                    wr_id: posted.first().copied().unwrap_or_default(),
+                    after: COMPLETION_TIMEOUT,
+                });
+            }
+            std::hint::spin_loop();
+        };
+        match outcome {
+            Ok(()) => Ok((self, stats)),
+            Err(e) => {
+                // Flush what is still posted, then destroy the QP (dropping `self`).
+                if self.fail().is_ok() {
+                    let deadline = Instant::now() + COMPLETION_TIMEOUT;
+                    while !posted.is_empty() && Instant::now() < deadline {
+                        if self.poll().is_err() {
+                            break;
+                        }
+                        let mut done = self.done.borrow_mut();
+                        posted.retain(|id| done.remove(id).is_none());
+                    }
+                }
+                drop(self);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// What a window lets the peer do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WindowAccess {
+    /// RDMA READ only (the pull design: decode reads prefill's pages).
+    Read,
+    /// RDMA WRITE only.
+    Write,
+}
+
+/// What keeps a registration's memory mapped.
+enum Keeper {
+    Memory(Arc<HostMemory>),
+    Pool(PagePool),
+}
+
+/// A pool's memory, registered for remote access and window binding (or, for a pool no
+/// peer may reach, for local access only).
 pub struct RegisteredPool {
     mr: Arc<MemoryRegion>,
     page_bytes: u64,
     pages: u32,
     // after `mr`: the mapping outlives its registration
-    memory: Arc<HostMemory>,
+    keeper: Keeper,
 }
 
 impl std::fmt::Debug for RegisteredPool {
@@ -279,12 +473,37 @@ impl std::fmt::Debug for RegisteredPool {
 }
 
 impl RegisteredPool {
-    /// Registers all of `memory`, split in pages of `page_bytes`, in `pd`.
+    /// Registers all of `memory`, split in pages of `page_bytes`, in `pd`, for windows.
     pub fn new(
         pd: &Arc<ProtectionDomain>,
         memory: Arc<HostMemory>,
         page_bytes: u64,
     ) -> Result<RegisteredPool, RdmaError> {
+        Self::register(pd, Keeper::Memory(memory), page_bytes, true)
+    }
+
+    /// Registers the memory of `pool`. With `windows`, for remote access through windows
+    /// bound over it (the MR's own rkey never leaves); without, for local access only: the
+    /// pool is then a place this side's reads land, and no key reaches it from a peer.
+    pub fn for_pool(
+        pd: &Arc<ProtectionDomain>,
+        pool: &PagePool,
+        windows: bool,
+    ) -> Result<RegisteredPool, RdmaError> {
+        let page_bytes = pool.page_bytes() as u64;
+        Self::register(pd, Keeper::Pool(pool.clone()), page_bytes, windows)
+    }
+
+    fn register(
+        pd: &Arc<ProtectionDomain>,
+        keeper: Keeper,
+        page_bytes: u64,
+        windows: bool,
+    ) -> Result<RegisteredPool, RdmaError> {
+        let memory: &dyn PoolMemory = match &keeper {
+            Keeper::Memory(m) => &**m,
+            Keeper::Pool(p) => p.memory(),
+        };
         let len = memory.len();
         if len.checked_rem(page_bytes) != Some(0) {
             return Err(RdmaError::OutOfRange {
@@ -300,25 +519,23 @@ impl RegisteredPool {
         let bytes = usize::try_from(len).map_err(|_| RdmaError::OutOfRange {
             what: "pool larger than the address space",
         })?;
-        // SAFETY: `ptr` maps `len` bytes for as long as `memory` lives (a sealed memfd that
-        // cannot shrink); `memory` is kept in the pool, dropped after the MR.
-        let mr = unsafe {
-            sys::reg_mr(
-                pd,
-                ptr,
-                bytes,
-                AccessFlags::LocalWrite
-                    | AccessFlags::RemoteWrite
-                    | AccessFlags::RemoteRead
-                    | AccessFlags::MemoryWindowBind,
-            )
-        }
-        .map_err(|e| boxed("ibv_reg_mr")(Box::new(e)))?;
+        let access = if windows {
+            AccessFlags::LocalWrite
+                | AccessFlags::RemoteWrite
+                | AccessFlags::RemoteRead
+                | AccessFlags::MemoryWindowBind
+        } else {
+            AccessFlags::LocalWrite
+        };
+        // SAFETY: `ptr` maps `len` bytes for as long as `keeper` lives (a sealed memfd that
+        // cannot shrink); `keeper` is kept in the registration, dropped after the MR.
+        let mr = unsafe { sys::reg_mr(pd, ptr, bytes, access) }
+            .map_err(|e| boxed("ibv_reg_mr")(Box::new(e)))?;
         Ok(RegisteredPool {
             mr,
             page_bytes,
             pages,
-            memory,
+            keeper,
         })
     }
 
@@ -328,8 +545,21 @@ impl RegisteredPool {
     }
 
     /// The registered memory.
-    pub fn memory(&self) -> &Arc<HostMemory> {
-        &self.memory
+    pub fn memory(&self) -> &dyn PoolMemory {
+        match &self.keeper {
+            Keeper::Memory(m) => &**m,
+            Keeper::Pool(p) => p.memory(),
+        }
+    }
+
+    /// Pages in the registration.
+    pub fn pages(&self) -> u32 {
+        self.pages
+    }
+
+    /// Bytes per page.
+    pub fn page_bytes(&self) -> u64 {
+        self.page_bytes
     }
 
     /// Address of page `page` in the registration.
@@ -339,12 +569,13 @@ impl RegisteredPool {
     }
 
     /// Binds a new type-2 window over pages `[first, first + count)` on `qp` (the QP the
-    /// peer writes through), remote write only, and waits for the bind to complete.
+    /// peer reaches it through), allowing only `access`, and waits for the bind to complete.
     pub fn bind_window(
         &self,
         qp: &Rc<RdmaQp>,
         first: PageId,
         count: u32,
+        access: WindowAccess,
     ) -> Result<RequestWindow, RdmaError> {
         let end = first
             .0
@@ -362,7 +593,8 @@ impl RegisteredPool {
         let old = mw.rkey();
         let rkey = (old & !0xff) | (old.wrapping_add(1) & 0xff);
         let wr = qp.wr_id();
-        sys::post_bind(&qp.qp, wr, &mw, rkey, &self.mr, addr, len)
+        let read = access == WindowAccess::Read;
+        sys::post_bind(&qp.qp, wr, &mw, rkey, &self.mr, addr, len, read)
             .map_err(verb("ibv_wr_bind_mw"))?;
         let c = qp.wait(wr)?;
         if !c.is_success() {

@@ -10,7 +10,7 @@ use std::ptr::NonNull;
 use rdma_mummy_sys::{
     ibv_access_flags, ibv_alloc_mw, ibv_dealloc_mw, ibv_mw, ibv_mw_bind_info, ibv_mw_type,
     ibv_qp_ex, ibv_qp_to_qp_ex, ibv_send_flags, ibv_wr_bind_mw, ibv_wr_complete, ibv_wr_local_inv,
-    ibv_wr_rdma_write, ibv_wr_set_sge, ibv_wr_start,
+    ibv_wr_rdma_read, ibv_wr_rdma_write, ibv_wr_set_sge, ibv_wr_start,
 };
 use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
@@ -94,8 +94,10 @@ unsafe fn post_one(
     }
 }
 
-/// Posts a signaled bind of `mw` to `rkey` over `[addr, addr + len)` of `mr`, remote write
-/// only. The QP must have been created with the BindMemoryWindow send op.
+/// Posts a signaled bind of `mw` to `rkey` over `[addr, addr + len)` of `mr` with `access`
+/// (remote read or remote write, never both from here). The QP must have been created with
+/// the BindMemoryWindow send op.
+#[allow(clippy::too_many_arguments)]
 pub fn post_bind(
     qp: &ExtendedQueuePair,
     wr_id: u64,
@@ -104,14 +106,20 @@ pub fn post_bind(
     mr: &MemoryRegion,
     addr: u64,
     len: u64,
+    remote_read: bool,
 ) -> io::Result<()> {
+    let access = if remote_read {
+        ibv_access_flags::IBV_ACCESS_REMOTE_READ
+    } else {
+        ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
+    };
     let info = ibv_mw_bind_info {
         // SAFETY: `mr.mr()` is the live MR of `mr`, which covers [addr, addr + len) (checked
         // by the caller and again by the device); the bind info is read during the call only.
         mr: unsafe { mr.mr().as_ptr() },
         addr,
         length: len,
-        mw_access_flags: ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
+        mw_access_flags: access.0,
     };
     // SAFETY: the QP was created with IBV_QP_EX_WITH_BIND_MW (RdmaQp does so), so
     // wr_bind_mw is set; `mw` is live and belongs to the QP's PD.
@@ -149,6 +157,32 @@ pub unsafe fn post_write(
     unsafe {
         post_one(qp, wr_id, |q| {
             ibv_wr_rdma_write(q, rkey, raddr);
+            ibv_wr_set_sge(q, lkey, laddr, len);
+        })
+    }
+}
+
+/// Posts a signaled RDMA READ of `len` bytes at `raddr` under `rkey` into
+/// `[laddr, laddr + len)` (registered under `lkey`). The QP must have the Read send op.
+///
+/// # Safety
+///
+/// `[laddr, laddr + len)` must stay valid, registered under `lkey` and unread by anyone else
+/// until the read completes or the QP is destroyed.
+pub unsafe fn post_read(
+    qp: &ExtendedQueuePair,
+    wr_id: u64,
+    lkey: u32,
+    laddr: u64,
+    len: u32,
+    rkey: u32,
+    raddr: u64,
+) -> io::Result<()> {
+    // SAFETY: the QP was created with IBV_QP_EX_WITH_RDMA_READ; the local buffer's validity
+    // is the caller's contract.
+    unsafe {
+        post_one(qp, wr_id, |q| {
+            ibv_wr_rdma_read(q, rkey, raddr);
             ibv_wr_set_sge(q, lkey, laddr, len);
         })
     }
