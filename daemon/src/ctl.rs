@@ -1004,10 +1004,20 @@ impl Ctl {
                 );
                 return;
             }
+            // RDMA only when both workers opened a device; otherwise the same page server
+            // moves the pages over TCP.
+            let rdma =
+                p.transports.contains(&Transport::Rdma) && d.transports.contains(&Transport::Rdma);
+            info!(
+                "decode pulls from the prefill page server {} over {}",
+                endpoint.addr,
+                if rdma { "RDMA" } else { "TCP" }
+            );
             let msg = PrefillEndpoint {
                 geometry: self.cfg.geometry,
                 pool_pages: p.pool_pages,
                 endpoint: endpoint.clone(),
+                rdma,
             };
             let dkey = d.conn;
             self.send(dkey, RequestId(0), msg.into(), Vec::new());

@@ -9,11 +9,13 @@
 use crate::Counters;
 use crossbeam::channel::{Receiver, Sender};
 use libkv::Owner;
+use libkv::RequestId;
 use libkv::memory::ForeignPool;
 use libkv::model::{ModelRunner, ReferenceModel};
 use libkv::pool::{Reservation, WriteGrant};
 use libkv::proto::TOKEN_BYTES;
-use libkv::proto::{Done, Error, ErrorCode, Message, PullDone, Tokens};
+use libkv::proto::{Done, Error, ErrorCode, Message, PageRequest, PullDone, RdmaReadDone, Tokens};
+use libkv::rdma::{ClientSession, RdmaNode};
 use libkv::tcp;
 use libkv::verify::Manifest;
 use log::debug;
@@ -116,19 +118,24 @@ pub(crate) struct TcpSource {
     pub idle: Mutex<Vec<TcpStream>>,
 }
 
+/// A new connection to the page server at `addr`.
+fn connect(addr: SocketAddr) -> Result<TcpStream, (ErrorCode, String)> {
+    let lost = |e: std::io::Error| {
+        let reason = format!("connecting to the prefill page server {addr}: {e}");
+        (ErrorCode::WorkerLost, reason)
+    };
+    let s = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT).map_err(lost)?;
+    tcp::prepare(&s).map_err(|e| (ErrorCode::Internal, e.to_string()))?;
+    Ok(s)
+}
+
 impl TcpSource {
     fn connection(&self) -> Result<TcpStream, (ErrorCode, String)> {
         let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        if let Some(s) = idle {
-            return Ok(s);
+        match idle {
+            Some(s) => Ok(s),
+            None => connect(self.addr),
         }
-        let lost = |e: std::io::Error| {
-            let reason = format!("connecting to the prefill page server {}: {e}", self.addr);
-            (ErrorCode::WorkerLost, reason)
-        };
-        let s = TcpStream::connect_timeout(&self.addr, CONNECT_TIMEOUT).map_err(lost)?;
-        tcp::prepare(&s).map_err(|e| (ErrorCode::Internal, e.to_string()))?;
-        Ok(s)
     }
 }
 
@@ -181,6 +188,149 @@ impl PageSource for TcpSource {
                 ),
             ))),
         }
+    }
+}
+
+/// prefilld's page server, read with RDMA: each connection carries an RDMA session (its QP
+/// pairs with one of the server's), set up once and reused across requests (at most
+/// [`IDLE_CONNECTIONS`] kept idle). For each request the server answers with windows over
+/// the manifest's pages; the job reads them straight into its own grant, says
+/// `RdmaReadDone`, and verifies as on any other transport. A connection that saw any error
+/// is dropped, its QP destroyed first.
+#[derive(Debug)]
+pub(crate) struct RdmaSource {
+    pub addr: SocketAddr,
+    pub token: [u8; TOKEN_BYTES],
+    pub pool_pages: u32,
+    pub page_bytes: u64,
+    pub node: Arc<RdmaNode>,
+    pub idle: Mutex<Vec<(TcpStream, ClientSession)>>,
+}
+
+type Failure = Option<(ErrorCode, String)>;
+
+impl RdmaSource {
+    fn session(
+        &self,
+        keep_going: &mut dyn FnMut() -> bool,
+    ) -> Result<(TcpStream, ClientSession), Failure> {
+        let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        if let Some(c) = idle {
+            return Ok(c);
+        }
+        let stream = connect(self.addr).map_err(Some)?;
+        let internal = |e: libkv::rdma::RdmaError| {
+            Some((
+                ErrorCode::Internal,
+                format!("setting up an RDMA session: {}", crate::error_chain(&e)),
+            ))
+        };
+        let (mut session, mut hello) = ClientSession::new(&self.node).map_err(internal)?;
+        hello.token = self.token;
+        tcp::write_frame(&stream, RequestId(0), hello, keep_going).map_err(|e| self.lost(e))?;
+        match tcp::read_frame(&stream, "waiting for RdmaConnect", keep_going) {
+            Ok((_, Message::RdmaConnect(server))) => {
+                session.connect(&server).map_err(internal)?;
+                Ok((stream, session))
+            }
+            Ok((_, Message::Error(e))) => Err(Some((
+                e.code,
+                format!(
+                    "the prefill page server refused an RDMA session: {}",
+                    e.message
+                ),
+            ))),
+            Ok((_, other)) => Err(Some((
+                ErrorCode::WorkerLost,
+                format!(
+                    "{:?} instead of RdmaConnect from {}",
+                    other.msg_type(),
+                    self.addr
+                ),
+            ))),
+            Err(e) => Err(self.lost(e)),
+        }
+    }
+
+    fn lost(&self, e: tcp::TcpError) -> Failure {
+        match e {
+            tcp::TcpError::Stopped => None,
+            e => Some((
+                ErrorCode::WorkerLost,
+                format!(
+                    "RDMA session with {}: {}",
+                    self.addr,
+                    crate::error_chain(&e)
+                ),
+            )),
+        }
+    }
+}
+
+impl PageSource for RdmaSource {
+    fn pool_pages(&self) -> u32 {
+        self.pool_pages
+    }
+
+    fn page_bytes(&self) -> u64 {
+        self.page_bytes
+    }
+
+    fn pull(
+        &self,
+        manifest: &Manifest,
+        grant: &mut WriteGrant,
+        keep_going: &mut dyn FnMut() -> bool,
+    ) -> Result<(), Failure> {
+        let owner = manifest.owner;
+        let (stream, session) = self.session(keep_going)?;
+        let request = PageRequest {
+            token: self.token,
+            owner,
+            pages: manifest.pages.clone(),
+        };
+        tcp::write_frame(&stream, owner.request, request, keep_going).map_err(|e| self.lost(e))?;
+        let windows = match tcp::read_frame(&stream, "waiting for RdmaWindows", keep_going) {
+            Ok((_, Message::RdmaWindows(w))) if w.owner == owner => w,
+            Ok((_, Message::Error(e))) => {
+                return Err(Some((
+                    e.code,
+                    format!("the prefill page server refused {owner}: {}", e.message),
+                )));
+            }
+            Ok((_, other)) => {
+                return Err(Some((
+                    ErrorCode::WorkerLost,
+                    format!("{:?} instead of the windows of {owner}", other.msg_type()),
+                )));
+            }
+            Err(e) => return Err(self.lost(e)),
+        };
+        let mut dst = grant
+            .pages_mut()
+            .map_err(|e| Some((ErrorCode::Internal, e.to_string())))?;
+        dst.truncate(manifest.pages.len());
+        let (session, _stats) = match session.read(&windows, dst, keep_going) {
+            Ok(done) => done,
+            Err(libkv::rdma::RdmaError::Stopped) => return Err(None),
+            Err(e) => {
+                return Err(Some((
+                    ErrorCode::WorkerLost,
+                    format!(
+                        "reading the pages of {owner} over RDMA from {}: {}",
+                        self.addr,
+                        crate::error_chain(&e)
+                    ),
+                )));
+            }
+        };
+        tcp::write_frame(&stream, owner.request, RdmaReadDone { owner }, keep_going)
+            .map_err(|e| self.lost(e))?;
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() < IDLE_CONNECTIONS {
+            idle.push((stream, session));
+        }
+        Ok(())
     }
 }
 

@@ -19,7 +19,7 @@ mod job;
 use libkv::link::{self, page_count, pool_error_code, refuse};
 
 use crossbeam::channel::Receiver;
-use job::{Job, JobContext, JobEvent, JobPool, PageSource, TcpSource};
+use job::{Job, JobContext, JobEvent, JobPool, PageSource, RdmaSource, TcpSource};
 use libkv::config::{Backend, Config, DeadlineDurations};
 use libkv::memory::{ForeignPool, HostMemory};
 use libkv::model::{ModelError, ReferenceModel};
@@ -28,6 +28,7 @@ use libkv::proto::{
     DecodeReserve, DecodeReserved, ErrorCode, Freed, Header, Message, PrefillEndpoint, PrefillPool,
     PullKv, RegisterAck, RegisterWorker, Role, Transport,
 };
+use libkv::rdma::RdmaNode;
 use libkv::{Generation, Owner, PageGeometry, RequestId};
 use link::{Link, Worker};
 use log::{debug, info, warn};
@@ -76,6 +77,9 @@ pub enum WorkerError {
     /// The event loop failed.
     #[error("event loop")]
     EventLoop(#[from] LinkError),
+    /// The configured RDMA device, port or GID cannot be used.
+    #[error("opening the RDMA device of [rdma]")]
+    Rdma(#[source] libkv::rdma::RdmaError),
 }
 
 impl WorkerError {
@@ -85,7 +89,7 @@ impl WorkerError {
         matches!(
             self,
             WorkerError::BackendUnavailable { .. } | WorkerError::Model(_)
-        )
+        ) || matches!(self, WorkerError::Rdma(e) if e.is_config())
     }
 
     /// The documented exit code for this error.
@@ -168,6 +172,9 @@ struct Decode {
     limits: Option<(u32, u32)>,
     /// The prefill pages' source, from `PrefillPool` or `PrefillEndpoint`.
     source: Option<Arc<dyn PageSource>>,
+    /// The RDMA device with this pool registered, when `[transfer]` says RDMA and the host
+    /// has it.
+    rdma: Option<Arc<RdmaNode>>,
     /// Incremented at every lost connection; job frames of an older epoch are dropped.
     epoch: u64,
     deadlines: DeadlineDurations,
@@ -178,8 +185,6 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
     if cfg.decode.backend == Backend::Cuda {
         return Err(WorkerError::BackendUnavailable { backend: "cuda" });
     }
-    // Only a probe for now: the transport stays shm or TCP; this says once why RDMA is off.
-    libkv::rdma::log_status();
     let model = ReferenceModel::new(cfg.geometry).map_err(WorkerError::Model)?;
     let bytes = cfg.decode.pool_bytes(&cfg.geometry);
     // The decode pool's fd never leaves this process: only the pool holds it.
@@ -195,6 +200,12 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
         },
     )
     .map_err(WorkerError::Pool)?;
+    // Registered for local access only: RDMA reads land here, no peer gets a key to it.
+    let rdma = libkv::rdma::open_node(&cfg, &pool, false).map_err(WorkerError::Rdma)?;
+    let mut transports = vec![Transport::Shm, Transport::Tcp];
+    if rdma.is_some() {
+        transports.push(Transport::Rdma);
+    }
 
     let poll = Poll::new().map_err(LinkError::Setup)?;
     let waker = Arc::new(Waker::new(poll.registry(), link::WAKER).map_err(LinkError::Setup)?);
@@ -216,7 +227,7 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
             role: Role::Decode,
             geometry: cfg.geometry,
             pool_pages: cfg.decode.pool_pages,
-            transports: vec![Transport::Shm, Transport::Tcp],
+            transports,
             endpoint: None,
         },
         None,
@@ -233,6 +244,7 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
         generation: None,
         limits: None,
         source: None,
+        rdma,
         epoch: 0,
         deadlines: cfg.deadlines.as_durations(),
     };
@@ -432,14 +444,30 @@ impl Decode {
         } else {
             match m.endpoint.addr.parse() {
                 Ok(addr) => {
-                    info!("pulling prefill pages from {addr} over TCP");
-                    self.source = Some(Arc::new(TcpSource {
-                        addr,
-                        token: m.endpoint.token,
-                        pool_pages: m.pool_pages,
-                        page_bytes: self.geometry.bytes_per_page(),
-                        idle: std::sync::Mutex::new(Vec::new()),
-                    }));
+                    let page_bytes = self.geometry.bytes_per_page();
+                    self.source = Some(match (&self.rdma, m.rdma) {
+                        (Some(node), true) => {
+                            info!("reading prefill pages from {addr} over RDMA");
+                            Arc::new(RdmaSource {
+                                addr,
+                                token: m.endpoint.token,
+                                pool_pages: m.pool_pages,
+                                page_bytes,
+                                node: Arc::clone(node),
+                                idle: std::sync::Mutex::new(Vec::new()),
+                            })
+                        }
+                        _ => {
+                            info!("pulling prefill pages from {addr} over TCP");
+                            Arc::new(TcpSource {
+                                addr,
+                                token: m.endpoint.token,
+                                pool_pages: m.pool_pages,
+                                page_bytes,
+                                idle: std::sync::Mutex::new(Vec::new()),
+                            })
+                        }
+                    });
                     None
                 }
                 Err(e) => Some(format!("page server address {:?}: {e}", m.endpoint.addr)),

@@ -164,11 +164,16 @@ pub enum ConfigError {
     )]
     SocketPathTooLong { path: PathBuf, len: usize },
 
-    #[error("transfer.listen is set but transfer.transport is \"shm\"; it is for \"tcp\" only")]
+    #[error(
+        "transfer.listen is set but transfer.transport is \"shm\"; it is for \"tcp\" and \"rdma\" only"
+    )]
     ListenWithoutTcp,
 
-    #[error("transfer.transport is \"tcp\" but transfer.listen (IP:PORT) is not set")]
-    ListenMissing,
+    #[error("transfer.transport is \"{transport}\" but transfer.listen (IP:PORT) is not set")]
+    ListenMissing { transport: &'static str },
+
+    #[error("transfer.transport is \"rdma\" but there is no [rdma] section naming the device")]
+    RdmaSectionMissing,
 
     #[error(
         "transfer.listen {addr:?} is not IP:PORT with a unicast IP that decoded can reach \
@@ -419,6 +424,11 @@ pub enum TransportKind {
     Shm,
     /// TCP between hosts: decoded pulls pages from prefilld's page server.
     Tcp,
+    /// RDMA between hosts: decoded reads pages from prefilld's pool with RDMA READ through
+    /// per-request memory windows, set up over the page server's TCP connection. Where a
+    /// host has no RDMA the workers say why once and move the pages over that TCP
+    /// connection instead.
+    Rdma,
 }
 
 /// The `[transfer]` section: which transport, and for TCP where prefilld serves its pages.
@@ -439,13 +449,16 @@ impl Transfer {
         match (self.transport, &self.listen) {
             (TransportKind::Shm, None) => Ok(None),
             (TransportKind::Shm, Some(_)) => Err(ConfigError::ListenWithoutTcp),
-            (TransportKind::Tcp, None) => Err(ConfigError::ListenMissing),
-            (TransportKind::Tcp, Some(text)) => match text.parse::<SocketAddr>() {
-                Ok(addr) if !addr.ip().is_unspecified() && !addr.ip().is_multicast() => {
-                    Ok(Some(addr))
+            (TransportKind::Tcp, None) => Err(ConfigError::ListenMissing { transport: "tcp" }),
+            (TransportKind::Rdma, None) => Err(ConfigError::ListenMissing { transport: "rdma" }),
+            (TransportKind::Tcp | TransportKind::Rdma, Some(text)) => {
+                match text.parse::<SocketAddr>() {
+                    Ok(addr) if !addr.ip().is_unspecified() && !addr.ip().is_multicast() => {
+                        Ok(Some(addr))
+                    }
+                    _ => Err(ConfigError::BadListen { addr: text.clone() }),
                 }
-                _ => Err(ConfigError::BadListen { addr: text.clone() }),
-            },
+            }
         }
     }
 }
@@ -618,6 +631,9 @@ impl Config {
         validate_control(&self.control)?;
         if let Some(rdma) = &self.rdma {
             rdma.validate()?;
+        }
+        if self.transfer.transport == TransportKind::Rdma && self.rdma.is_none() {
+            return Err(ConfigError::RdmaSectionMissing);
         }
         self.transfer.listen_addr().map(drop)
     }
@@ -1002,10 +1018,20 @@ mod tests {
         );
         let text = toml::to_string(&c).unwrap();
         assert_eq!(Config::from_toml_str(&text).unwrap(), c);
+        let rdma = format!(
+            "{base}[transfer]\ntransport = \"rdma\"\nlisten = \"192.0.2.1:0\"\n\
+             [rdma]\ndevice = \"rxe0\"\n"
+        );
+        let c = Config::from_toml_str(&rdma).unwrap();
+        assert_eq!(c.transfer.transport, TransportKind::Rdma);
+        assert_eq!(
+            c.transfer.listen_addr().unwrap(),
+            Some("192.0.2.1:0".parse().unwrap())
+        );
         let refused = |section: &str| Config::from_toml_str(&format!("{base}{section}")).err();
         assert!(matches!(
             refused("[transfer]\ntransport = \"tcp\"\n"),
-            Some(ConfigError::ListenMissing)
+            Some(ConfigError::ListenMissing { transport: "tcp" })
         ));
         assert!(matches!(
             refused("[transfer]\nlisten = \"192.0.2.1:7470\"\n"),
@@ -1027,7 +1053,15 @@ mod tests {
             }
         }
         assert!(matches!(
-            refused("[transfer]\ntransport = \"rdma\"\n"),
+            refused("[transfer]\ntransport = \"rdma\"\n[rdma]\ndevice = \"rxe0\"\n"),
+            Some(ConfigError::ListenMissing { transport: "rdma" })
+        ));
+        assert!(matches!(
+            refused("[transfer]\ntransport = \"rdma\"\nlisten = \"192.0.2.1:7470\"\n"),
+            Some(ConfigError::RdmaSectionMissing)
+        ));
+        assert!(matches!(
+            refused("[transfer]\ntransport = \"infiniband\"\n"),
             Some(ConfigError::Parse { .. })
         ));
     }

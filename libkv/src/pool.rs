@@ -592,6 +592,20 @@ impl WriteGrant {
         // before verification, and `&mut self` keeps this slice unique within the grant.
         Ok(unsafe { std::slice::from_raw_parts_mut(ptr, self.pool.inner.page_bytes) })
     }
+
+    /// The bytes of every page of the grant at once, in grant order, for a transfer that
+    /// fills them together (RDMA reads with many in flight).
+    pub fn pages_mut(&mut self) -> Result<Vec<&mut [u8]>, PoolError> {
+        let mut out = Vec::with_capacity(self.pages.len());
+        for &page in &self.pages {
+            let ptr = self.pool.inner.page_ptr(page)?;
+            // SAFETY: as in `page_mut`; the pages of a grant are distinct (a reservation
+            // never holds a page twice), so the slices do not overlap, and `&mut self`
+            // keeps them the only ones for as long as they live.
+            out.push(unsafe { std::slice::from_raw_parts_mut(ptr, self.pool.inner.page_bytes) });
+        }
+        Ok(out)
+    }
 }
 
 impl Drop for WriteGrant {

@@ -431,6 +431,15 @@ msg_types! {
     PageRequest = 23,
     /// Prefill page server to decode worker (TCP): one page follows, `len` raw bytes.
     PageData = 24,
+    /// Decode worker to prefill page server and back (TCP): the QP each side reads or is
+    /// read through; the connection then carries an RDMA session.
+    RdmaConnect = 25,
+    /// Prefill page server to decode worker (RDMA session): the windows over a request's
+    /// pages, one per run of consecutive pages.
+    RdmaWindows = 26,
+    /// Decode worker to prefill page server (RDMA session): the reads of an owner are done;
+    /// its windows may be invalidated.
+    RdmaReadDone = 27,
 }
 
 /// How many file descriptors a frame of `msg_type` may carry: 1 for `RegisterWorker` and
@@ -579,6 +588,9 @@ impl Message {
             Message::PrefillEndpoint(m) => m.check(),
             Message::PageRequest(m) => m.check(),
             Message::PageData(_) => Ok(()),
+            Message::RdmaConnect(m) => m.check(),
+            Message::RdmaWindows(m) => m.check(),
+            Message::RdmaReadDone(_) => Ok(()),
         };
         r.map_err(|reason| ProtoError::Invalid { msg_type, reason })
     }
@@ -1142,6 +1154,9 @@ pub struct PrefillEndpoint {
     pub pool_pages: u32,
     /// The page server and its token.
     pub endpoint: TcpEndpoint,
+    /// Whether to read the pages with RDMA (both workers have it), over a session set up on
+    /// a connection to the page server; otherwise the pages come over that TCP connection.
+    pub rdma: bool,
 }
 
 impl PrefillEndpoint {
@@ -1192,6 +1207,103 @@ pub struct PageData {
     pub index: u32,
     /// Bytes that follow.
     pub len: u32,
+}
+
+/// Bytes of an RDMA GID (an IPv6 address; IPv4-mapped on RoCE v2).
+pub const GID_BYTES: usize = 16;
+
+/// One side of an RDMA session: the queue pair to connect to. The decode worker sends it
+/// with the page server's token; the page server answers with its own (token all zeros).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RdmaConnect {
+    /// The page server's token from the decode worker; zeros in the answer.
+    pub token: [u8; TOKEN_BYTES],
+    /// Queue pair number, 24 bits.
+    pub qp_num: u32,
+    /// First packet sequence number, 24 bits.
+    pub psn: u32,
+    /// The GID the queue pair's packets come from.
+    pub gid: [u8; GID_BYTES],
+}
+
+impl RdmaConnect {
+    fn check(&self) -> Check {
+        if self.qp_num == 0 || self.qp_num > 0x00ff_ffff {
+            return Err(format!("QP number {} is not 1 to 2^24 - 1", self.qp_num));
+        }
+        if self.psn > 0x00ff_ffff {
+            return Err(format!("PSN {} exceeds 24 bits", self.psn));
+        }
+        if self.gid == [0; GID_BYTES] {
+            return Err("GID is all zeros".to_owned());
+        }
+        Ok(())
+    }
+}
+
+/// A memory window over a run of consecutive pages of a `PageRequest`: pages `first ..
+/// first + pages` of the request, readable at `addr .. addr + pages * page bytes` with
+/// `rkey`, through the session's queue pair only, until the reader says `RdmaReadDone` or
+/// the owner is released.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RdmaWindow {
+    /// Index in the `PageRequest` of the window's first page.
+    pub first: u32,
+    /// Pages in the window, at least 1.
+    pub pages: u32,
+    /// The first page's address, as the reader names it.
+    pub addr: u64,
+    /// The window's key.
+    pub rkey: u32,
+}
+
+/// The page server's answer to a `PageRequest` on an RDMA session: windows that cover the
+/// request's pages exactly once, in order.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RdmaWindows {
+    /// Whose pages.
+    pub owner: Owner,
+    /// 1 to [`MAX_MANIFEST_PAGES`] windows.
+    pub windows: Vec<RdmaWindow>,
+}
+
+impl RdmaWindows {
+    fn check(&self) -> Check {
+        if self.windows.is_empty() || self.windows.len() > MAX_MANIFEST_PAGES {
+            return Err(format!(
+                "{} windows, expected 1 to {MAX_MANIFEST_PAGES}",
+                self.windows.len()
+            ));
+        }
+        let mut next = 0u64;
+        for w in &self.windows {
+            if w.pages == 0 || u64::from(w.first) != next {
+                return Err(format!(
+                    "window at page {} of {} pages does not continue at page {next}",
+                    w.first, w.pages
+                ));
+            }
+            next += u64::from(w.pages);
+        }
+        if next > MAX_MANIFEST_PAGES as u64 {
+            return Err(format!(
+                "windows cover {next} pages, over {MAX_MANIFEST_PAGES}"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Pages the windows cover.
+    pub fn pages(&self) -> u64 {
+        self.windows.iter().map(|w| u64::from(w.pages)).sum()
+    }
+}
+
+/// The reader is done with an owner's windows.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RdmaReadDone {
+    /// Whose windows.
+    pub owner: Owner,
 }
 
 /// kvctld asks a decode worker to pull and verify the pages of a manifest.
@@ -1419,6 +1531,7 @@ mod tests {
                 geometry: geometry(),
                 pool_pages: 64,
                 endpoint: endpoint(),
+                rdma: true,
             }
             .into(),
             PageRequest {
@@ -1433,6 +1546,32 @@ mod tests {
                 len: 4096,
             }
             .into(),
+            RdmaConnect {
+                token: [3; TOKEN_BYTES],
+                qp_num: 17,
+                psn: 0x00ab_cdef,
+                gid: [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 192, 0, 2, 1],
+            }
+            .into(),
+            RdmaWindows {
+                owner: owner(),
+                windows: vec![
+                    RdmaWindow {
+                        first: 0,
+                        pages: 3,
+                        addr: 0x7f00_0000_0000,
+                        rkey: 0x1234_5601,
+                    },
+                    RdmaWindow {
+                        first: 3,
+                        pages: 1,
+                        addr: 0x7f00_0010_0000,
+                        rkey: 0x1234_5702,
+                    },
+                ],
+            }
+            .into(),
+            RdmaReadDone { owner: owner() }.into(),
         ]
     }
 
@@ -1454,7 +1593,7 @@ mod tests {
     #[test]
     fn every_type_round_trips() {
         let all = every_message();
-        assert_eq!(all.len(), 24, "one message per MsgType but Invalid");
+        assert_eq!(all.len(), 27, "one message per MsgType but Invalid");
         for (i, msg) in all.iter().enumerate() {
             assert_eq!(msg.msg_type() as usize, i + 1);
             let frame = msg.encode(RequestId(0x0102_0304_0506_0708)).unwrap();
@@ -1580,10 +1719,10 @@ mod tests {
     #[test]
     fn unknown_and_invalid_types() {
         let msg = Message::from(StatusQuery {});
-        let frame = frame_with(&msg, |h| h.msg_type = U16::new(25));
+        let frame = frame_with(&msg, |h| h.msg_type = U16::new(28));
         assert!(matches!(
             Header::parse(&frame),
-            Err(ProtoError::UnknownType { got: 25 })
+            Err(ProtoError::UnknownType { got: 28 })
         ));
         let frame = frame_with(&msg, |h| h.msg_type = U16::new(u16::MAX));
         assert!(matches!(
@@ -1896,6 +2035,7 @@ mod tests {
         invalid(PrefillEndpoint {
             geometry: geometry(),
             pool_pages: 1,
+            rdma: false,
             endpoint: TcpEndpoint {
                 addr: "1".repeat(MAX_ADDR_BYTES + 1),
                 ..endpoint()
@@ -1915,6 +2055,54 @@ mod tests {
             pages: vec![PageId(1), PageId(1)],
             ..request
         });
+        let connect = RdmaConnect {
+            token: [0; TOKEN_BYTES],
+            qp_num: 5,
+            psn: 1,
+            gid: [1; GID_BYTES],
+        };
+        assert!(Message::from(connect.clone()).validate().is_ok());
+        for bad in [
+            RdmaConnect {
+                qp_num: 0,
+                ..connect.clone()
+            },
+            RdmaConnect {
+                qp_num: 1 << 24,
+                ..connect.clone()
+            },
+            RdmaConnect {
+                psn: 1 << 24,
+                ..connect.clone()
+            },
+            RdmaConnect {
+                gid: [0; GID_BYTES],
+                ..connect
+            },
+        ] {
+            invalid(bad);
+        }
+        let w = |first, pages| RdmaWindow {
+            first,
+            pages,
+            addr: 4096,
+            rkey: 9,
+        };
+        let windows = |windows| RdmaWindows {
+            owner: owner(),
+            windows,
+        };
+        assert!(
+            Message::from(windows(vec![w(0, 2), w(2, 1)]))
+                .validate()
+                .is_ok()
+        );
+        invalid(windows(vec![]));
+        invalid(windows(vec![w(1, 2)])); // does not start at the first page
+        invalid(windows(vec![w(0, 2), w(1, 1)])); // overlaps
+        invalid(windows(vec![w(0, 2), w(3, 1)])); // leaves a gap
+        invalid(windows(vec![w(0, 0)]));
+        invalid(windows(vec![w(0, u32::MAX)])); // more pages than a manifest holds
         invalid(PrefillPool {
             geometry: PageGeometry {
                 layers: 0,

@@ -76,6 +76,9 @@ pub enum WorkerError {
         #[source]
         source: io::Error,
     },
+    /// The configured RDMA device, port or GID cannot be used.
+    #[error("opening the RDMA device of [rdma]")]
+    Rdma(#[source] libkv::rdma::RdmaError),
     /// The event loop failed.
     #[error("event loop")]
     EventLoop(#[from] LinkError),
@@ -90,7 +93,7 @@ impl WorkerError {
             WorkerError::BackendUnavailable { .. }
                 | WorkerError::Model(_)
                 | WorkerError::Transfer(_)
-        )
+        ) || matches!(self, WorkerError::Rdma(e) if e.is_config())
     }
 
     /// The documented exit code for this error.
@@ -116,6 +119,9 @@ struct Counters {
     pages_served: AtomicU64,
     bytes_served: AtomicU64,
     page_requests_refused: AtomicU64,
+    rdma_sessions: AtomicU64,
+    windows_bound: AtomicU64,
+    windows_revoked: AtomicU64,
 }
 
 impl Counters {
@@ -130,6 +136,9 @@ impl Counters {
             ("pages_served", get(&self.pages_served)),
             ("bytes_served", get(&self.bytes_served)),
             ("page_requests_refused", get(&self.page_requests_refused)),
+            ("rdma_sessions", get(&self.rdma_sessions)),
+            ("windows_bound", get(&self.windows_bound)),
+            ("windows_revoked", get(&self.windows_revoked)),
         ]
         .into_iter()
         .map(|(n, v)| (n.to_owned(), v))
@@ -167,8 +176,6 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
     if cfg.prefill.backend == Backend::Cuda {
         return Err(WorkerError::BackendUnavailable { backend: "cuda" });
     }
-    // Only a probe for now: the transport stays shm or TCP; this says once why RDMA is off.
-    libkv::rdma::log_status();
     let model = ReferenceModel::new(cfg.geometry).map_err(WorkerError::Model)?;
     let bytes = cfg.prefill.pool_bytes(&cfg.geometry);
     let memory = HostMemory::new(c"kvfence-prefill", bytes)
@@ -176,7 +183,7 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
     let listen = cfg.transfer.listen_addr().map_err(WorkerError::Transfer)?;
     let ro_fd = match cfg.transfer.transport {
         TransportKind::Shm => Some(memory.read_only_fd().map_err(WorkerError::ReadOnlyFd)?),
-        TransportKind::Tcp => None,
+        TransportKind::Tcp | TransportKind::Rdma => None,
     };
     let pool = PagePool::new(
         cfg.geometry,
@@ -188,6 +195,7 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
         },
     )
     .map_err(WorkerError::Pool)?;
+    let rdma = libkv::rdma::open_node(&cfg, &pool, true).map_err(WorkerError::Rdma)?;
 
     let poll = Poll::new().map_err(LinkError::Setup)?;
     let waker = Arc::new(Waker::new(poll.registry(), link::WAKER).map_err(LinkError::Setup)?);
@@ -209,6 +217,7 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
                 Arc::clone(&waker),
                 Arc::clone(&counters),
                 limits,
+                rdma.clone(),
             )
             .map_err(|source| WorkerError::PageServer { addr, source })?;
             let endpoint = TcpEndpoint {
@@ -219,9 +228,10 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
             (Some(server), Some(endpoint))
         }
     };
-    let transports = match endpoint {
-        Some(_) => vec![Transport::Tcp],
-        None => vec![Transport::Shm],
+    let transports = match (&endpoint, &rdma) {
+        (Some(_), Some(_)) => vec![Transport::Tcp, Transport::Rdma],
+        (Some(_), None) => vec![Transport::Tcp],
+        (None, _) => vec![Transport::Shm],
     };
     let link = Link::new(
         cfg.control.socket.clone(),

@@ -15,10 +15,19 @@
 //! transfer with an error) and that the server is not stopping. While a connection sends an
 //! owner's pages it holds an `Arc` of them: the event loop reports them `Freed` only after
 //! the last sender let go, so no page is reused while it is on the wire.
+//!
+//! With `[transfer] transport = "rdma"` and a device, a connection may turn into an RDMA
+//! session (`RdmaConnect`, with the token, both ways; see [`libkv::rdma::ServerSession`]).
+//! A `PageRequest` then passes the same checks and is answered with `RdmaWindows`: read-only
+//! windows over exactly the requested pages, bound on the session's QP. The connection
+//! holds the owner's `Arc` until the windows are invalidated: after the reader's
+//! `RdmaReadDone`, or at once when the owner is released, the transfer deadline passes or
+//! the server stops. So no page is reused while a key to it is alive.
 
 use crate::Counters;
 use libkv::pool::Reservation;
-use libkv::proto::{self, ErrorCode, Message, TOKEN_BYTES};
+use libkv::proto::{self, ErrorCode, Message, RdmaWindows, TOKEN_BYTES};
+use libkv::rdma::{RdmaNode, ServerSession};
 use libkv::tcp::{self, TcpError};
 use libkv::{Owner, PageId, RequestId};
 use log::{debug, warn};
@@ -90,6 +99,8 @@ struct Shared {
     loop_waker: Arc<Waker>,
     counters: Arc<Counters>,
     limits: Limits,
+    /// The RDMA device and the registered pool, when sessions are served.
+    rdma: Option<Arc<RdmaNode>>,
 }
 
 /// A running page server; dropping it stops the acceptor and every connection and joins
@@ -103,7 +114,8 @@ pub(crate) struct PageServer {
 }
 
 impl PageServer {
-    /// Binds `addr` and starts serving the owners in `held`.
+    /// Binds `addr` and starts serving the owners in `held`, over TCP and, with `rdma`,
+    /// RDMA sessions.
     pub(crate) fn start(
         addr: SocketAddr,
         token: [u8; TOKEN_BYTES],
@@ -111,6 +123,7 @@ impl PageServer {
         loop_waker: Arc<Waker>,
         counters: Arc<Counters>,
         limits: Limits,
+        rdma: Option<Arc<RdmaNode>>,
     ) -> io::Result<PageServer> {
         let mut listener = TcpListener::bind(addr)?;
         let addr = listener.local_addr()?;
@@ -126,6 +139,7 @@ impl PageServer {
             loop_waker,
             counters,
             limits,
+            rdma,
         });
         let thread = {
             let shared = Arc::clone(&shared);
@@ -197,6 +211,7 @@ impl StandaloneServer {
             waker,
             Arc::new(Counters::default()),
             limits,
+            None,
         )?;
         Ok(StandaloneServer {
             server,
@@ -307,12 +322,21 @@ fn serve_connection(stream: &TcpStream, shared: &Shared) {
         debug!("page server: {e}");
         return;
     }
+    // Dropped on return, after any windows were invalidated and before the owner's pages.
+    let mut session: Option<ServerSession> = None;
     loop {
         let since = Instant::now();
         let mut waiting =
             || !shared.stop.load(Ordering::SeqCst) && since.elapsed() < shared.limits.idle;
         let request = match tcp::read_frame(stream, "reading a page request", &mut waiting) {
             Ok((header, Message::PageRequest(r))) if header.request_id == r.owner.request => r,
+            Ok((_, Message::RdmaConnect(c))) => match start_session(stream, shared, &session, &c) {
+                Ok(s) => {
+                    session = Some(s);
+                    continue;
+                }
+                Err(r) => return send_refusal(stream, shared, r),
+            },
             Ok((_, Message::PageRequest(r))) => {
                 let reason = format!("frame id differs from the owner {}", r.owner);
                 return send_refusal(stream, shared, refusal(ErrorCode::BadRequest, reason));
@@ -335,7 +359,10 @@ fn serve_connection(stream: &TcpStream, shared: &Shared) {
             Ok(served) => served,
             Err(r) => return send_refusal(stream, shared, r),
         };
-        let result = send_pages(stream, shared, owner, &served, &request.pages);
+        let result = match session.as_mut() {
+            Some(session) => expose_pages(stream, shared, session, owner, &served, &request.pages),
+            None => send_pages(stream, shared, owner, &served, &request.pages),
+        };
         // Let the event loop free the pages if it released them meanwhile.
         drop(served);
         let _ = shared.loop_waker.wake();
@@ -411,6 +438,124 @@ fn send_pages(
     Ok(())
 }
 
+/// Answers an `RdmaConnect`: checks the token, creates and connects this side's QP, sends
+/// its own `RdmaConnect` back.
+fn start_session(
+    stream: &TcpStream,
+    shared: &Shared,
+    current: &Option<ServerSession>,
+    reader: &proto::RdmaConnect,
+) -> Result<ServerSession, Refusal> {
+    let Some(node) = &shared.rdma else {
+        return Err(refusal(
+            ErrorCode::BadRequest,
+            "this page server has no RDMA".into(),
+        ));
+    };
+    if current.is_some() {
+        return Err(refusal(
+            ErrorCode::BadRequest,
+            "the connection already has an RDMA session".into(),
+        ));
+    }
+    if !tcp::token_eq(&reader.token, &shared.token) {
+        return Err(refusal(
+            ErrorCode::Unauthorized,
+            "wrong page server token".into(),
+        ));
+    }
+    let (session, answer) = ServerSession::accept(node, reader).map_err(|e| {
+        refusal(
+            ErrorCode::Internal,
+            format!("setting up the RDMA session: {}", libkv::error_chain(&e)),
+        )
+    })?;
+    let start = Instant::now();
+    let mut sending = || start.elapsed() < shared.limits.transfer;
+    tcp::write_frame(stream, RequestId(0), answer, &mut sending)
+        .map_err(|e| refusal(ErrorCode::Internal, format!("answering RdmaConnect: {e}")))?;
+    shared
+        .counters
+        .rdma_sessions
+        .fetch_add(1, Ordering::Relaxed);
+    Ok(session)
+}
+
+/// Serves a request on an RDMA session: binds read-only windows over exactly `pages` (the
+/// owner's, checked), sends them, and waits for the reader's `RdmaReadDone`. The windows are
+/// invalidated before this returns, whatever happened: after the reads, or as soon as the
+/// owner is released, the deadline passes or the server stops. `Err(None)` closes the
+/// connection without a word (it failed, or a window could not be invalidated).
+fn expose_pages(
+    stream: &TcpStream,
+    shared: &Shared,
+    session: &mut ServerSession,
+    owner: Owner,
+    served: &Arc<Served>,
+    pages: &[PageId],
+) -> Result<(), Option<Refusal>> {
+    let windows = session.expose(pages).map_err(|e| {
+        Some(refusal(
+            ErrorCode::Internal,
+            format!("binding windows over the pages of {owner}: {e}"),
+        ))
+    })?;
+    let bound = windows.len() as u64;
+    shared
+        .counters
+        .windows_bound
+        .fetch_add(bound, Ordering::Relaxed);
+    let deadline = Instant::now() + shared.limits.transfer;
+    let mut going = || {
+        !shared.stop.load(Ordering::SeqCst)
+            && Instant::now() < deadline
+            && shared.held.still_holds(&owner, served)
+    };
+    let answer = RdmaWindows { owner, windows };
+    let result = tcp::write_frame(stream, owner.request, answer, &mut going)
+        .and_then(|()| tcp::read_frame(stream, "waiting for the reads", &mut going));
+    // Whatever the reader does next, its keys die here, before the pages can be let go.
+    let revoked = session.revoke();
+    if let Err(e) = revoked {
+        warn!("page server: invalidating the windows of {owner}: {e}; closing the session");
+        return Err(None);
+    }
+    shared
+        .counters
+        .windows_revoked
+        .fetch_add(bound, Ordering::Relaxed);
+    match result {
+        Ok((header, Message::RdmaReadDone(d)))
+            if d.owner == owner && header.request_id == owner.request =>
+        {
+            let page_bytes = served.res.pool().page_bytes() as u64;
+            let n = pages.len() as u64;
+            shared.counters.pages_served.fetch_add(n, Ordering::Relaxed);
+            shared
+                .counters
+                .bytes_served
+                .fetch_add(n * page_bytes, Ordering::Relaxed);
+            Ok(())
+        }
+        Ok((_, other)) => Err(Some(refusal(
+            ErrorCode::BadRequest,
+            format!("{:?} is not RdmaReadDone for {owner}", other.msg_type()),
+        ))),
+        Err(TcpError::Stopped) if !shared.held.still_holds(&owner, served) => {
+            let reason = format!("{owner} was released during the transfer");
+            Err(Some(refusal(ErrorCode::WorkerLost, reason)))
+        }
+        Err(TcpError::Stopped) if Instant::now() >= deadline => {
+            let reason = format!("the reads of {owner} took longer than the transfer deadline");
+            Err(Some(refusal(ErrorCode::Timeout, reason)))
+        }
+        Err(e) => {
+            debug!("page server: RDMA session of {owner} ends: {e}");
+            Err(None)
+        }
+    }
+}
+
 fn send_refusal(stream: &TcpStream, shared: &Shared, r: Refusal) {
     debug!("page server: refusing: {}: {}", r.code, r.message);
     shared
@@ -449,24 +594,34 @@ mod tests {
         pool: PagePool,
         held: HeldMap,
         server: PageServer,
+        counters: Arc<Counters>,
         _poll: Poll,
     }
 
-    /// A pool with owners 1 and 2 (generation 7) held, each page filled with its owner's
-    /// request id, and a server on a free loopback port.
-    fn fixture() -> Fixture {
-        let geometry = PageGeometry {
+    fn geometry() -> PageGeometry {
+        PageGeometry {
             tokens_per_page: 4,
             layers: 1,
             kv_heads: 1,
             head_dim: 8,
             dtype: Dtype::Bf16,
-        };
+        }
+    }
+
+    /// A pool with owners 1 and 2 (generation 7) held, each page filled with its owner's
+    /// request id, and a server on a free loopback port.
+    fn fixture() -> Fixture {
+        fixture_with(|_| None, "127.0.0.1")
+    }
+
+    /// As [`fixture`], serving RDMA sessions with the node `rdma` makes over the pool, on
+    /// `ip`.
+    fn fixture_with(rdma: impl FnOnce(&PagePool) -> Option<Arc<RdmaNode>>, ip: &str) -> Fixture {
         let options = PoolOptions {
             poison: PoisonMode::Owner,
             scrub: Scrub::Off,
         };
-        let pool = PagePool::host(c"kvtest-pages", geometry, 16, options).unwrap();
+        let pool = PagePool::host(c"kvtest-pages", geometry(), 16, options).unwrap();
         let held = HeldMap::default();
         for r in [1, 2] {
             let mut res = pool.reserve(owner(r, 7), 8, 8).unwrap();
@@ -490,19 +645,23 @@ mod tests {
             idle: Duration::from_secs(5),
             transfer: Duration::from_secs(5),
         };
+        let counters = Arc::new(Counters::default());
+        let node = rdma(&pool);
         let server = PageServer::start(
-            "127.0.0.1:0".parse().unwrap(),
+            format!("{ip}:0").parse().unwrap(),
             TOKEN,
             held.clone(),
             waker,
-            Arc::new(Counters::default()),
+            Arc::clone(&counters),
             limits,
+            node,
         )
         .unwrap();
         Fixture {
             pool,
             held,
             server,
+            counters,
             _poll: poll,
         }
     }
@@ -675,5 +834,219 @@ mod tests {
             start.elapsed()
         );
         drop(idle);
+    }
+
+    /// RDMA sessions against the device of `KVFENCE_RDMA_DEVICE` (tests/vm/rxe.sh runs
+    /// them on soft-RoCE); each test says SKIPPED and passes where there is none.
+    mod rdma {
+        use super::*;
+        use libkv::config::RdmaConfig;
+        use libkv::proto::{RdmaConnect, RdmaReadDone};
+        use libkv::rdma::{ClientSession, RdmaError};
+
+        struct Reader {
+            f: Fixture,
+            stream: TcpStream,
+            session: ClientSession,
+            decode: PagePool,
+        }
+
+        fn config() -> Option<(RdmaConfig, String)> {
+            let Ok(device) = std::env::var("KVFENCE_RDMA_DEVICE") else {
+                eprintln!("SKIPPED: no RDMA device (set KVFENCE_RDMA_DEVICE)");
+                return None;
+            };
+            let mut cfg = RdmaConfig::for_device(device);
+            if let Ok(g) = std::env::var("KVFENCE_RDMA_GID_INDEX") {
+                cfg.gid_index = g.parse().unwrap();
+            }
+            let ip = std::env::var("KVFENCE_RDMA_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
+            Some((cfg, ip))
+        }
+
+        fn wait(what: &str, mut done: impl FnMut() -> bool) {
+            let start = Instant::now();
+            while !done() {
+                assert!(start.elapsed() < Duration::from_secs(10), "{what}");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+
+        /// The fixture serving RDMA, and a reader with its own local-only pool and a
+        /// session set up with the right token.
+        fn reader() -> Option<Reader> {
+            let (cfg, ip) = config()?;
+            let server_cfg = cfg.clone();
+            let f = fixture_with(
+                |pool| Some(Arc::new(RdmaNode::open(&server_cfg, pool, true).unwrap())),
+                &ip,
+            );
+            let options = PoolOptions {
+                poison: PoisonMode::Off,
+                scrub: Scrub::Off,
+            };
+            let decode = PagePool::host(c"kvtest-decode", geometry(), 16, options).unwrap();
+            let node = Arc::new(RdmaNode::open(&cfg, &decode, false).unwrap());
+            let stream = connect(&f);
+            let (mut session, mut hello) = ClientSession::new(&node).unwrap();
+            hello.token = TOKEN;
+            let mut going = || true;
+            tcp::write_frame(&stream, RequestId(0), hello, &mut going).unwrap();
+            let (_, answer) = tcp::read_frame(&stream, "answer", &mut going).unwrap();
+            let Message::RdmaConnect(server) = answer else {
+                panic!("expected RdmaConnect, got {answer:?}");
+            };
+            session.connect(&server).unwrap();
+            Some(Reader {
+                f,
+                stream,
+                session,
+                decode,
+            })
+        }
+
+        fn ask(r: &Reader, o: Owner, pages: &[PageId]) -> Message {
+            let request = proto::PageRequest {
+                token: TOKEN,
+                owner: o,
+                pages: pages.to_vec(),
+            };
+            let mut going = || true;
+            tcp::write_frame(&r.stream, o.request, request, &mut going).unwrap();
+            tcp::read_frame(&r.stream, "windows", &mut going).unwrap().1
+        }
+
+        fn counter(f: &Fixture, c: fn(&Counters) -> &std::sync::atomic::AtomicU64) -> u64 {
+            c(&f.counters).load(Ordering::SeqCst)
+        }
+
+        #[test]
+        fn a_session_reads_exactly_the_owners_pages_and_its_keys_die_after() {
+            let Some(r) = reader() else { return };
+            let o = owner(1, 7);
+            let pages = pages_of(&r.f, o);
+            let Message::RdmaWindows(windows) = ask(&r, o, &pages) else {
+                panic!("no windows");
+            };
+            assert_eq!(windows.pages(), pages.len() as u64);
+            let mut res = r.decode.reserve(o, 8, 8).unwrap();
+            let mut grant = res.grant_write().unwrap();
+            let dst = grant.pages_mut().unwrap();
+            let mut going = || true;
+            let (session, stats) = r.session.read(&windows, dst, &mut going).unwrap();
+            let n = pages.len();
+            assert!(
+                stats.reads >= 1 && stats.bytes == n as u64 * 128,
+                "{stats:?}"
+            );
+            for i in 0..n {
+                assert!(
+                    grant.page_mut(i).unwrap().iter().all(|&b| b == 1),
+                    "page {i}"
+                );
+            }
+            tcp::write_frame(&r.stream, o.request, RdmaReadDone { owner: o }, &mut going).unwrap();
+            wait("windows invalidated", || {
+                counter(&r.f, |c| &c.windows_revoked) == counter(&r.f, |c| &c.windows_bound)
+            });
+            assert!(counter(&r.f, |c| &c.windows_bound) >= 1);
+            // The same keys, after RdmaReadDone: refused by the NIC, nothing lands.
+            for i in 0..n {
+                grant.page_mut(i).unwrap().fill(0xcc);
+            }
+            let dst = grant.pages_mut().unwrap();
+            match session.read(&windows, dst, &mut going) {
+                Err(RdmaError::Completion { status, .. }) => {
+                    assert_eq!(status, 10, "remote access error")
+                }
+                other => panic!("a read through dead keys: {other:?}"),
+            }
+            for i in 0..n {
+                assert!(
+                    grant.page_mut(i).unwrap().iter().all(|&b| b == 0xcc),
+                    "page {i} touched"
+                );
+            }
+            eprintln!("read through invalidated windows: remote access error, pages untouched");
+        }
+
+        #[test]
+        fn release_during_the_reads_kills_the_keys_before_the_pages_are_freed() {
+            let Some(r) = reader() else { return };
+            let o = owner(1, 7);
+            let pages = pages_of(&r.f, o);
+            let Message::RdmaWindows(windows) = ask(&r, o, &pages) else {
+                panic!("no windows");
+            };
+            let free_before = r.f.pool.usage().free;
+            // kvctld's Release: the event loop drops the owner; the connection still holds
+            // the pages and must invalidate the windows before letting go of them.
+            drop(r.f.held.lock().remove(&o));
+            let n = pages.len();
+            wait("pages freed after the release", || {
+                r.f.pool.usage().free as usize == free_before as usize + n
+            });
+            assert_eq!(
+                counter(&r.f, |c| &c.windows_revoked),
+                counter(&r.f, |c| &c.windows_bound),
+                "pages were freed while a window over them was alive"
+            );
+            let mut going = || true;
+            match tcp::read_frame(&r.stream, "refusal", &mut going) {
+                Ok((_, Message::Error(e))) => {
+                    assert_eq!(e.code, ErrorCode::WorkerLost, "{}", e.message)
+                }
+                other => panic!("expected an error after the release, got {other:?}"),
+            }
+            // A late read through the old keys fails and lands nothing: the keys are dead
+            // and the server has closed the session, so the NIC answers with a remote
+            // access error (10) or, once the server's QP is gone, retries exhausted (12).
+            let mut res = r.decode.reserve(o, 8, 8).unwrap();
+            let mut grant = res.grant_write().unwrap();
+            for i in 0..n {
+                grant.page_mut(i).unwrap().fill(0xcc);
+            }
+            let dst = grant.pages_mut().unwrap();
+            match r.session.read(&windows, dst, &mut going) {
+                Err(RdmaError::Completion { status, .. }) => {
+                    assert!(matches!(status, 10 | 12), "status {status}");
+                }
+                other => panic!("a late read: {other:?}"),
+            }
+            for i in 0..n {
+                assert!(
+                    grant.page_mut(i).unwrap().iter().all(|&b| b == 0xcc),
+                    "page {i} touched"
+                );
+            }
+        }
+
+        #[test]
+        fn sessions_need_the_token_and_windows_only_the_manifest() {
+            let Some(r) = reader() else { return };
+            // another owner's page in the request: refused before any window is bound
+            let mut mixed = pages_of(&r.f, owner(1, 7));
+            mixed.push(pages_of(&r.f, owner(2, 7))[0]);
+            match ask(&r, owner(1, 7), &mixed) {
+                Message::Error(e) => assert_eq!(e.code, ErrorCode::BadRequest, "{}", e.message),
+                other => panic!("expected a refusal, got {other:?}"),
+            }
+            assert_eq!(counter(&r.f, |c| &c.windows_bound), 0);
+            // a session with a wrong token
+            let s = connect(&r.f);
+            let hello = RdmaConnect {
+                token: [0; TOKEN_BYTES],
+                qp_num: 7,
+                psn: 1,
+                gid: [1; 16],
+            };
+            let mut going = || true;
+            tcp::write_frame(&s, RequestId(0), hello, &mut going).unwrap();
+            match tcp::read_frame(&s, "refusal", &mut going) {
+                Ok((_, Message::Error(e))) => assert_eq!(e.code, ErrorCode::Unauthorized),
+                other => panic!("expected a refusal, got {other:?}"),
+            }
+            assert_eq!(counter(&r.f, |c| &c.rdma_sessions), 1);
+        }
     }
 }

@@ -8,130 +8,14 @@ use sideway::ibverbs::address::{Gid, GidType};
 use sideway::ibverbs::device::{DeviceInfo, DeviceList, GetDeviceListErrorKind};
 use sideway::ibverbs::device_context::DeviceContext;
 
-use super::RdmaAvailability;
+use super::{GidInfo, RdmaAvailability, RdmaError};
 use crate::config::RdmaConfig;
 
 #[path = "window.rs"]
 mod window;
 pub use window::{
-    Completion, PageRead, QpEndpoint, RdmaQp, ReadStats, RegisteredPool, RequestWindow,
-    WindowAccess,
+    Completion, PageRead, QpEndpoint, RdmaQp, RegisteredPool, RequestWindow, WindowAccess,
 };
-
-/// Errors of RDMA device discovery and selection.
-#[derive(Debug, thiserror::Error)]
-pub enum RdmaError {
-    /// The host has no usable RDMA (no kernel support, no libibverbs, no device).
-    #[error("RDMA unavailable: {reason}")]
-    Unavailable { reason: String },
-
-    #[error(
-        "RDMA device {wanted:?} not found; available: {}",
-        list_or_none(available)
-    )]
-    NoSuchDevice {
-        wanted: String,
-        available: Vec<String>,
-    },
-
-    #[error("cannot open RDMA device {device}")]
-    Open {
-        device: String,
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
-
-    #[error("cannot query RDMA device {device}")]
-    Query {
-        device: String,
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
-
-    #[error(
-        "RDMA device {device} has no port {port} (it has ports 1..={ports}); valid GIDs: {}",
-        list_or_none(valid)
-    )]
-    BadPort {
-        device: String,
-        port: u8,
-        ports: u8,
-        valid: Vec<GidInfo>,
-    },
-
-    #[error(
-        "RDMA device {device} port {port} has no usable GID at index {gid_index}; \
-         valid GIDs of the port: {}",
-        list_or_none(valid)
-    )]
-    BadGid {
-        device: String,
-        port: u8,
-        gid_index: u32,
-        valid: Vec<GidInfo>,
-    },
-
-    #[error("{op} failed")]
-    Verb {
-        op: &'static str,
-        #[source]
-        source: io::Error,
-    },
-
-    #[error("{op} completed with status {status}")]
-    Completion { op: &'static str, status: u32 },
-
-    #[error("work request {wr_id} did not complete within {after:?}")]
-    Stuck {
-        wr_id: u64,
-        after: std::time::Duration,
-    },
-
-    #[error("stopped before the transfer completed")]
-    Stopped,
-
-    #[error("out of range: {what}")]
-    OutOfRange { what: &'static str },
-}
-
-impl RdmaError {
-    /// Whether RDMA is simply absent on this host (as opposed to misconfigured).
-    pub fn is_unavailable(&self) -> bool {
-        matches!(self, RdmaError::Unavailable { .. })
-    }
-}
-
-fn list_or_none<T: fmt::Display>(items: &[T]) -> String {
-    if items.is_empty() {
-        return "none".to_owned();
-    }
-    items
-        .iter()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
-/// One entry of a port's GID table, for errors and logs.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct GidInfo {
-    pub port: u32,
-    pub index: u32,
-    /// "IB", "RoCEv1" or "RoCEv2".
-    pub kind: &'static str,
-    /// The GID as an IPv6 address (an IPv4-mapped one on RoCE v2).
-    pub address: String,
-}
-
-impl fmt::Display for GidInfo {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "[port {} index {} {} {}]",
-            self.port, self.index, self.kind, self.address
-        )
-    }
-}
 
 fn gid_kind(kind: GidType) -> &'static str {
     match kind {

@@ -32,6 +32,7 @@ use super::{RdmaDevice, RdmaError};
 use crate::ids::PageId;
 use crate::memory::{HostMemory, PoolMemory};
 use crate::pool::PagePool;
+use crate::rdma::ReadStats;
 use crate::sys::rdma as sys;
 
 /// How long a work request may take to complete before it is reported as stuck.
@@ -91,15 +92,6 @@ pub struct PageRead<'a> {
     pub rkey: u32,
     /// The page's address in the peer's window.
     pub raddr: u64,
-}
-
-/// What [`RdmaQp::read_pages`] did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ReadStats {
-    /// RDMA READs posted (contiguous pages coalesced).
-    pub reads: u32,
-    /// Bytes read.
-    pub bytes: u64,
 }
 
 /// A reliable-connected QP on a basic CQ, able to read, write, bind windows and invalidate
