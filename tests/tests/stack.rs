@@ -151,24 +151,84 @@ fn tcp(config: &mut Config) {
     };
 }
 
-/// Fails unless prefilld served pages over TCP (`tcp`) or none (shared memory).
-fn assert_transport(stack: &Stack, tcp: bool) {
+/// How the pages moved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Moved {
+    /// Shared memory: prefilld's page server served nothing.
+    Shm,
+    /// Over TCP: pages served, no RDMA session.
+    Tcp,
+    /// With RDMA reads: pages served through windows, every window invalidated.
+    Rdma,
+}
+
+/// Fails unless prefilld's counters say the pages moved as `moved` says.
+fn assert_transport(stack: &Stack, moved: Moved) {
     let s = stack.status().expect("status");
-    let served = counter(&s, "prefilld.pages_served").unwrap_or(0);
-    assert_eq!(served > 0, tcp, "pages served over TCP: {served}");
+    let get = |name: &str| counter(&s, &format!("prefilld.{name}")).unwrap_or(0);
+    let served = get("pages_served");
+    let (sessions, bound, revoked) = (
+        get("rdma_sessions"),
+        get("windows_bound"),
+        get("windows_revoked"),
+    );
+    let what = format!(
+        "{served} pages served, {sessions} RDMA sessions, {bound} windows bound, \
+         {revoked} invalidated"
+    );
+    match moved {
+        Moved::Shm => assert_eq!(served, 0, "{what}"),
+        Moved::Tcp => assert!(served > 0 && sessions == 0, "{what}"),
+        Moved::Rdma => assert!(
+            served > 0 && sessions > 0 && bound > 0 && bound == revoked,
+            "{what}"
+        ),
+    }
+}
+
+/// The RDMA transport on the device of `KVFENCE_RDMA_DEVICE` (GID index
+/// `KVFENCE_RDMA_GID_INDEX`, default 1), its page server on `KVFENCE_RDMA_ADDR` (the
+/// device's IPv4 address): `None` after saying SKIPPED when no device is configured.
+/// tests/vm/rxe.sh runs these tests on soft-RoCE.
+fn rdma_device() -> Option<(String, u32, String)> {
+    let Ok(device) = std::env::var("KVFENCE_RDMA_DEVICE") else {
+        eprintln!("SKIPPED: no RDMA device (set KVFENCE_RDMA_DEVICE)");
+        return None;
+    };
+    let gid = std::env::var("KVFENCE_RDMA_GID_INDEX").map_or(1, |g| g.parse().expect("GID index"));
+    let addr = std::env::var("KVFENCE_RDMA_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
+    Some((device, gid, addr))
+}
+
+fn rdma(config: &mut Config) {
+    let (device, gid_index, addr) = rdma_device().expect("an RDMA device");
+    config.transfer = Transfer {
+        transport: TransportKind::Rdma,
+        listen: Some(format!("{addr}:0")),
+    };
+    let mut r = libkv::config::RdmaConfig::for_device(device);
+    r.gid_index = gid_index;
+    config.rdma = Some(r);
 }
 
 #[test]
 fn concurrent_requests_of_four_tenants_match_the_monolithic_path() {
-    concurrent_requests_match_the_monolithic_path(|_| {}, false);
+    concurrent_requests_match_the_monolithic_path(|_| {}, Moved::Shm);
 }
 
 #[test]
 fn concurrent_requests_over_tcp_match_the_monolithic_path() {
-    concurrent_requests_match_the_monolithic_path(tcp, true);
+    concurrent_requests_match_the_monolithic_path(tcp, Moved::Tcp);
 }
 
-fn concurrent_requests_match_the_monolithic_path(tweak: fn(&mut Config), over_tcp: bool) {
+#[test]
+fn concurrent_requests_over_rdma_match_the_monolithic_path() {
+    if rdma_device().is_some() {
+        concurrent_requests_match_the_monolithic_path(rdma, Moved::Rdma);
+    }
+}
+
+fn concurrent_requests_match_the_monolithic_path(tweak: fn(&mut Config), moved: Moved) {
     let begun = Instant::now();
     let (_dir, _logs, stack) = start(tweak);
     let model = model(&stack);
@@ -222,7 +282,7 @@ fn concurrent_requests_match_the_monolithic_path(tweak: fn(&mut Config), over_tc
     ids.dedup();
     assert_eq!(ids.len(), jobs.len(), "request ids are not unique");
     assert_pools_drain(&stack, Duration::from_secs(5));
-    assert_transport(&stack, over_tcp);
+    assert_transport(&stack, moved);
     assert!(begun.elapsed() < TEST_BOUND, "took {:?}", begun.elapsed());
 }
 
@@ -331,15 +391,60 @@ struct Attempt {
 
 #[test]
 fn killing_prefilld_mid_flight_fails_requests_cleanly_and_leaks_no_pages() {
-    kill_prefilld_mid_flight(|_| {}, false);
+    kill_prefilld_mid_flight(|_| {}, Moved::Shm);
 }
 
 #[test]
 fn killing_prefilld_mid_transfer_over_tcp_fails_requests_cleanly_and_leaks_no_pages() {
-    kill_prefilld_mid_flight(tcp, true);
+    kill_prefilld_mid_flight(tcp, Moved::Tcp);
 }
 
-fn kill_prefilld_mid_flight(tweak: fn(&mut Config), over_tcp: bool) {
+#[test]
+fn killing_prefilld_mid_transfer_over_rdma_fails_requests_cleanly_and_leaks_no_pages() {
+    if rdma_device().is_some() {
+        kill_prefilld_mid_flight(rdma, Moved::Rdma);
+    }
+}
+
+/// A build with RDMA on a host without it (or a build without RDMA): the workers say once
+/// why RDMA is off and move the pages over the page server's TCP connection.
+#[test]
+fn rdma_configured_on_a_host_without_it_serves_over_tcp_and_says_why_once() {
+    if let libkv::rdma::RdmaAvailability::Available { devices } = libkv::rdma::rdma_status() {
+        eprintln!("SKIPPED: this host has RDMA devices ({devices:?})");
+        return;
+    }
+    let begun = Instant::now();
+    let (dir, _logs, stack) = start(|c| {
+        c.transfer = Transfer {
+            transport: TransportKind::Rdma,
+            listen: Some("127.0.0.1:0".into()),
+        };
+        c.rdma = Some(libkv::config::RdmaConfig::for_device("mlx5_0"));
+    });
+    let model = model(&stack);
+    let p = prompt("acme", 1, 300);
+    let out = stack
+        .client()
+        .expect("client")
+        .generate("acme", &p, 16, 10_000, |_| {})
+        .unwrap_or_else(|e| panic!("request over the TCP fallback: {}", error_chain(&e)));
+    assert_matches(
+        &out,
+        &expected(&model, &p, 16),
+        "request over the TCP fallback",
+    );
+    assert_transport(&stack, Moved::Tcp);
+    for d in [Daemon::Prefilld, Daemon::Decoded] {
+        let log = std::fs::read_to_string(dir.path().join(format!("{}.log", d.binary())))
+            .expect("daemon log");
+        let said = log.lines().filter(|l| l.contains("RDMA off:")).count();
+        assert_eq!(said, 1, "{d} says once why RDMA is off:\n{log}");
+    }
+    assert!(begun.elapsed() < TEST_BOUND, "took {:?}", begun.elapsed());
+}
+
+fn kill_prefilld_mid_flight(tweak: fn(&mut Config), moved: Moved) {
     let begun = Instant::now();
     let (_dir, _logs, mut stack) = start(tweak);
     let model = model(&stack);
@@ -477,7 +582,7 @@ fn kill_prefilld_mid_flight(tweak: fn(&mut Config), over_tcp: bool) {
         assert_matches(&out, &expected(&model, &p, 40), "request after restart");
     }
     assert_pools_drain(&stack, Duration::from_secs(5));
-    assert_transport(&stack, over_tcp);
+    assert_transport(&stack, moved);
     assert!(begun.elapsed() < TEST_BOUND, "took {:?}", begun.elapsed());
 }
 

@@ -1,11 +1,10 @@
 #!/bin/sh
 # Runs inside the soft-RoCE guest (tests/vm/rxe.sh): creates rxe0 on a dummy netdev whose
 # TEST-NET-1 address exists only in this network-less guest (rdma_cm does not work with rxe
-# on lo), finds the RoCE v2 GID of that address, then runs the RDMA test binary against it.
-# Usage: rxe-guest.sh OUTDIR (OUTDIR/test-binary names the binary)
+# on lo), finds the RoCE v2 GID of that address, then runs the RDMA test binaries against it.
+# Usage: rxe-guest.sh OUTDIR (OUTDIR/test-binaries: one line per binary, "PATH [FILTER]")
 set -u
 out=$1
-bin=$(cat "$out/test-binary")
 addr=192.0.2.1
 if ! { ip link add rxed0 type dummy && ip addr add $addr/24 dev rxed0 && ip link set rxed0 up; }; then
   echo "rxe-guest: cannot set up the dummy netdev"
@@ -20,4 +19,11 @@ for i in $(seq 0 15); do
 done
 [ -n "$gid" ] || { echo "rxe-guest: no GID for $addr"; exit 1; }
 echo "rxe-guest: rxe0 on rxed0 ($addr), GID index $gid"
-KVFENCE_RDMA_DEVICE=rxe0 KVFENCE_RDMA_GID_INDEX=$gid "$bin" --test-threads=1 --nocapture
+export KVFENCE_RDMA_DEVICE=rxe0 KVFENCE_RDMA_GID_INDEX=$gid KVFENCE_RDMA_ADDR=$addr
+failed=0
+while read -r bin filter; do
+  echo "rxe-guest: running $(basename "$bin") ${filter:-(all tests)}"
+  # shellcheck disable=SC2086  # an empty filter is no argument
+  "$bin" --test-threads=1 --nocapture $filter || failed=1
+done < "$out/test-binaries"
+exit $failed

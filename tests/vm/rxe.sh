@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The soft-RoCE test: runs libkv's RDMA tests (libkv/tests/rdma.rs) against a real verbs
-# device, rdma_rxe, inside a qemu guest (stock Debian kernel, TCG; the host kernel has no
-# RDMA). The test binary is built on the host; the guest sees the host root read-only over
+# The soft-RoCE test: runs the RDMA tests against a real verbs device, rdma_rxe, inside a
+# qemu guest (stock Debian kernel, TCG; the host kernel has no RDMA): libkv's verbs and
+# window tests (libkv/tests/rdma.rs), the page server's RDMA sessions (prefilld), and the
+# whole stack over the RDMA transport (tests/tests/stack.rs). The binaries are built on the
+# host; the guest sees the host root read-only over
 # virtio-9p, brings up rxe0 on a dummy netdev with a TEST-NET-1 address that exists only in
 # the guest (`-nic none`: no network at all), and runs the binary with KVFENCE_RDMA_DEVICE=rxe0
 # (see tests/vm/rxe-guest.sh).
 #
 # Usage: tests/vm/rxe.sh [--no-build] [--no-setup]
-#   --no-build  use the RDMA test binary cargo built last
+#   --no-build  use the binaries cargo built last
 #   --no-setup  do not run tests/vm/setup.sh --rxe (the cache must be ready)
 # Env: KVFENCE_VM_CACHE (default ~/.cache/kvfence-vm), KVFENCE_VM_TIMEOUT (whole VM, s, 300),
 #      KVFENCE_VM_MEM (MiB, 1024), KVFENCE_VM_CPUS (2), KVFENCE_VM_ACCEL (tcg | kvm: only where
@@ -43,17 +45,37 @@ for f in kernel/vmlinux initramfs-rxe.cpio.gz; do
   [ -e "$cache/$f" ] || skip "$cache/$f missing: run tests/vm/setup.sh --rxe"
 done
 
-# The test binary: cargo names it with a hash, its JSON messages say which.
-build_args=(test --release --locked -p libkv --features rdma --test rdma --no-run --message-format=json)
-[ "$build" = 1 ] && echo "rxe: cargo ${build_args[*]}"
-[ "$build" = 1 ] || build_args+=(--offline)
-bin=$(cd "$root" && timeout 1800 cargo "${build_args[@]}" 2>/dev/null \
-      | sed -n 's/.*"target":{[^}]*"name":"rdma"[^}]*}.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
-[ -x "${bin:-/nonexistent}" ] || { echo "rxe: FAIL: cannot build or find the libkv rdma test binary" >&2; exit 1; }
+# The test binaries: cargo names them with a hash, its JSON messages say which. The stack
+# tests spawn the daemons from target/release, built with RDMA here as well.
+offline=()
+[ "$build" = 1 ] || offline=(--offline)
+# test_binary NAME CARGO-ARGS...: the executable of test target NAME
+test_binary() {
+  local name=$1; shift
+  (cd "$root" && timeout 1800 cargo test --release --locked --features libkv/rdma "${offline[@]}" \
+     "$@" --no-run --message-format=json 2>/dev/null) \
+    | sed -n 's/.*"target":{[^}]*"name":"'"$name"'"[^}]*}.*"executable":"\([^"]*\)".*/\1/p' | tail -1
+}
+[ "$build" = 1 ] && echo "rxe: cargo build --release --bins --features libkv/rdma, test binaries"
+if [ "$build" = 1 ]; then
+  (cd "$root" && timeout 1800 cargo build --release --locked --bins --features libkv/rdma) \
+    || { echo "rxe: FAIL: cannot build the daemons" >&2; exit 1; }
+fi
+verbs=$(test_binary rdma -p libkv --test rdma)
+pages=$(test_binary prefilld -p prefilld --lib)
+stack=$(test_binary stack -p kvfence-tests --test stack)
+for b in "$verbs" "$pages" "$stack"; do
+  [ -x "${b:-/nonexistent}" ] || { echo "rxe: FAIL: cannot build or find the RDMA test binaries" >&2; exit 1; }
+done
 tb=$SECONDS
 
 out=$(mktemp -d -t kvfence-rxe.XXXXXX)
-echo "$bin" > "$out/test-binary"
+# one line per test binary: the binary, then its test filter
+{
+  echo "$verbs"
+  echo "$pages pageserver::tests::rdma::"
+  echo "$stack rdma"
+} > "$out/test-binaries"
 cp "$here/rxe-guest.sh" "$out/rxe-guest.sh"
 chmod -R a+rX "$out"
 
