@@ -1621,12 +1621,26 @@ impl Ctl {
             }
         }
         counters.truncate(proto::MAX_COUNTERS);
+        let transport = match (self.prefill.as_ref(), self.decode.as_ref()) {
+            (Some(p), Some(d)) => Some(match &p.endpoint {
+                None => Transport::Shm,
+                Some(_)
+                    if p.transports.contains(&Transport::Rdma)
+                        && d.transports.contains(&Transport::Rdma) =>
+                {
+                    Transport::Rdma
+                }
+                Some(_) => Transport::Tcp,
+            }),
+            _ => None,
+        };
         StatusReply {
             generation: self.generation,
             max_context: self.limits.max_context,
             max_new_tokens: self.limits.max_new_tokens,
             workers,
             counters,
+            transport,
         }
     }
 }

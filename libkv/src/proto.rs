@@ -1022,6 +1022,8 @@ pub struct StatusReply {
     pub workers: Vec<WorkerStatus>,
     /// Named counters, at most [`MAX_COUNTERS`], names 1 to [`MAX_COUNTER_NAME_BYTES`].
     pub counters: Vec<(String, u64)>,
+    /// How pages move from prefill to decode, once both workers are registered.
+    pub transport: Option<Transport>,
 }
 
 impl StatusReply {
@@ -1473,6 +1475,7 @@ mod tests {
                     draining: 1,
                 }],
                 counters: vec![("admitted".into(), 12), ("rejected".into(), 0)],
+                transport: Some(Transport::Tcp),
             }
             .into(),
             DecodeReserve {
@@ -2133,6 +2136,7 @@ mod tests {
             max_new_tokens: 1,
             workers: vec![],
             counters: vec![(String::new(), 1)],
+            transport: Some(Transport::Rdma),
         });
         invalid(StatusReply {
             generation: Generation(1),
@@ -2140,6 +2144,7 @@ mod tests {
             max_new_tokens: 1,
             workers: vec![],
             counters: vec![("c".into(), 1); MAX_COUNTERS + 1],
+            transport: Some(Transport::Rdma),
         });
     }
 
@@ -2194,6 +2199,7 @@ mod tests {
                     MAX_WORKERS
                 ],
                 counters: vec![("c".repeat(MAX_COUNTER_NAME_BYTES), u64::MAX); MAX_COUNTERS],
+                transport: Some(Transport::Tcp),
             }
             .into(),
         ];

@@ -18,8 +18,9 @@
 use libkv::proto::{
     Abort, DecodeReserve, DecodeReserved, Done, Error, ErrorCode, Freed, HEADER_LEN, Header, Hello,
     HelloAck, MAGIC, MAX_BODY_LEN, MAX_FRAME_LEN, Message, MsgType, PoolReport, PrefillDone,
-    PrefillPool, PrefillRun, ProtoError, PullDone, PullKv, RegisterAck, RegisterWorker, Release,
-    Role, StatusQuery, StatusReply, Submit, Tokens, Transport, WorkerStatus, decode_frame,
+    PrefillPool, PrefillRun, ProtoError, PullDone, PullKv, RdmaConnect, RdmaReadDone, RdmaWindow,
+    RdmaWindows, RegisterAck, RegisterWorker, Release, Role, StatusQuery, StatusReply, Submit,
+    Tokens, Transport, WorkerStatus, decode_frame,
 };
 use libkv::sys::uds::{FrameReader, ReadOutcome};
 use libkv::verify::Manifest;
@@ -136,6 +137,7 @@ fn valid_messages() -> Vec<(Message, usize)> {
                 },
             ],
             counters: vec![("admitted".into(), 5), ("rejected".into(), 1)],
+            transport: Some(Transport::Rdma),
         }
         .into(),
         DecodeReserve {
@@ -190,6 +192,24 @@ fn valid_messages() -> Vec<(Message, usize)> {
             pages: 2,
         }
         .into(),
+        RdmaConnect {
+            token: [9; 16],
+            qp_num: 0x11,
+            psn: 0x0022_3344,
+            gid: [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 192, 0, 2, 2],
+        }
+        .into(),
+        RdmaWindows {
+            owner: owner(),
+            windows: vec![RdmaWindow {
+                first: 0,
+                pages: 2,
+                addr: 0x7f00_0000_1000,
+                rkey: 0x0abc_de01,
+            }],
+        }
+        .into(),
+        RdmaReadDone { owner: owner() }.into(),
     ];
     msgs.into_iter()
         .map(|m| {

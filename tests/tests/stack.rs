@@ -10,7 +10,7 @@ use kvctld::client::{Client, ClientError, GenerateOutcome, REPLY_SLACK, exit};
 use kvctld::stack::{Daemon, Stack, StackOptions, default_bin_dir, error_chain, wait_until};
 use libkv::config::{Config, Transfer, TransportKind};
 use libkv::model::{Output, ReferenceModel, monolithic, tokenize};
-use libkv::proto::{ErrorCode, Role, StatusReply};
+use libkv::proto::{ErrorCode, Role, StatusReply, Transport};
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
@@ -176,6 +176,12 @@ fn assert_transport(stack: &Stack, moved: Moved) {
         "{served} pages served, {sessions} RDMA sessions, {bound} windows bound, \
          {revoked} invalidated"
     );
+    let want = match moved {
+        Moved::Shm => Transport::Shm,
+        Moved::Tcp => Transport::Tcp,
+        Moved::Rdma => Transport::Rdma,
+    };
+    assert_eq!(s.transport, Some(want), "the transport kvctld reports");
     match moved {
         Moved::Shm => assert_eq!(served, 0, "{what}"),
         Moved::Tcp => assert!(served > 0 && sessions == 0, "{what}"),

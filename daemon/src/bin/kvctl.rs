@@ -19,7 +19,7 @@ use kvctld::client::{Client, ClientError, GenerateOutcome, exit};
 use kvctld::stack::{Daemon, Stack, StackError, StackOptions, error_chain};
 use libkv::config::{Config, DEFAULT_SOCKET};
 use libkv::model::{Output, ReferenceModel, detokenize, monolithic, tokenize};
-use libkv::proto::{ErrorCode, Role, StatusReply, WorkerStatus};
+use libkv::proto::{ErrorCode, Role, StatusReply, Transport, WorkerStatus};
 use serde_json::json;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -275,6 +275,14 @@ fn capacity_tokens(w: &WorkerStatus) -> u64 {
     u64::from(w.pool_pages) * u64::from(w.tokens_per_page)
 }
 
+fn transport_name(t: Transport) -> &'static str {
+    match t {
+        Transport::Shm => "shm",
+        Transport::Tcp => "tcp",
+        Transport::Rdma => "rdma",
+    }
+}
+
 fn status(cli: &Cli) -> Result<(), Failure> {
     let mut client = connect(cli)?;
     let s = client.status()?;
@@ -307,6 +315,7 @@ fn status(cli: &Cli) -> Result<(), Failure> {
             "generation": s.generation.0,
             "max_context": s.max_context,
             "max_new_tokens": s.max_new_tokens,
+            "transport": s.transport.map(transport_name),
             "workers": workers,
             "counters": counters,
         });
@@ -317,6 +326,11 @@ fn status(cli: &Cli) -> Result<(), Failure> {
     println!(
         "limits: max_context {} tokens, max_new_tokens {}",
         s.max_context, s.max_new_tokens
+    );
+    println!(
+        "transport: {}",
+        s.transport
+            .map_or("none yet (workers not both registered)", transport_name)
     );
     println!(
         "{:<8} {:<5} {:>7} {:>7} {:>8} {:>7} {:>8} {:>8}  capacity vs one largest request",
