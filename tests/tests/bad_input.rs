@@ -465,7 +465,7 @@ fn hostile_frames_and_floods_are_refused_while_normal_clients_are_served() {
             put(s, &f).expect("write");
         },
     );
-    for ty in [25u16, 0x7fff, u16::MAX] {
+    for ty in [28u16, 0x7fff, u16::MAX] {
         attack(
             &stack,
             &mut victim,
