@@ -486,6 +486,16 @@ impl RegisteredPool {
         Self::register(pd, Keeper::Pool(pool.clone()), page_bytes, windows)
     }
 
+    /// Registers all of `memory`, split in pages of `page_bytes`, in `pd` for local access
+    /// only (a place this side's reads land): no key reaches it from a peer.
+    pub fn local_only(
+        pd: &Arc<ProtectionDomain>,
+        memory: Arc<HostMemory>,
+        page_bytes: u64,
+    ) -> Result<RegisteredPool, RdmaError> {
+        Self::register(pd, Keeper::Memory(memory), page_bytes, false)
+    }
+
     fn register(
         pd: &Arc<ProtectionDomain>,
         keeper: Keeper,
