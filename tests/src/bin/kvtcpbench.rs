@@ -1,7 +1,23 @@
 //! kvtcpbench: throughput of the TCP page path over loopback (decoded's side, `fetch_pages`
 //! into its own grant pages, against prefilld's page server) next to `iperf3` on the same
-//! loopback path in the same run. A benchmark, not a test: it prints figures and asserts
-//! nothing. Without `iperf3` on the PATH it prints the page path alone.
+//! loopback path and, given `--mooncake PATH`, next to Mooncake Transfer Engine's own
+//! benchmark (`transfer_engine_bench`, TCP transport) moving the same bytes in blocks of the
+//! same size, all in the same run. A benchmark, not a test: it prints figures and asserts
+//! nothing. Without `iperf3` on the PATH, or without the Mooncake binary, it prints the rest.
+//!
+//! The contenders run in interleaved rounds (iperf3, then for each case the page path and
+//! Mooncake), so a busy moment on a shared machine hits all of them alike. Every run records
+//! its CPU pressure (the "some" stall time of /proc/pressure/cpu over the run's wall time),
+//! and the pressure over an idle moment just before it: the contenders' own threads stall
+//! each other on a small machine (Mooncake's initiator polls for completions on both of its
+//! threads), so only the pressure before a run tells whether something else was using the
+//! CPUs. The summary is the median of the quiet runs (pressure before at most
+//! `--quiet-pressure`), or of all runs, flagged, when none was quiet. Ratios are taken
+//! between those medians.
+//!
+//! Mooncake runs only on 127.0.0.1: peer-to-peer handshake instead of a metadata server,
+//! `127.0.0.1` as its server name and segment, two submission threads, under `timeout`, and
+//! its target is stopped by its own process id.
 
 #![allow(clippy::print_stdout)]
 
@@ -10,24 +26,49 @@ use libkv::config::{PoisonMode, Scrub};
 use libkv::pool::{PagePool, PoolOptions};
 use libkv::tcp;
 use libkv::{Dtype, Generation, Owner, PageGeometry, RequestId};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
 use prefilld::pageserver::StandaloneServer;
+use std::io::{BufRead, BufReader, Read};
 use std::net::{TcpListener, TcpStream};
-use std::process::{Command, ExitCode, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 #[derive(Parser, Debug)]
 #[command(
     name = "kvtcpbench",
-    about = "TCP page path throughput vs iperf3 on loopback"
+    about = "TCP page path throughput vs iperf3 and Mooncake's transfer engine on loopback"
 )]
 struct Args {
-    /// Seconds to measure each case (at least 5 pulls each).
+    /// Seconds to measure each case (at least 5 pulls each; Mooncake's runs round it up).
     #[arg(long, default_value_t = 2.0)]
     seconds: f64,
-    /// Seconds of the iperf3 run.
+    /// Seconds of each iperf3 run.
     #[arg(long, default_value_t = 3)]
     iperf_seconds: u32,
+    /// Rounds; each measures every contender once per case.
+    #[arg(long, default_value_t = 3)]
+    rounds: u32,
+    /// Runs whose CPU pressure is above this are left out of the medians.
+    #[arg(long, default_value_t = 0.3)]
+    quiet_pressure: f64,
+    /// Mooncake's `transfer_engine_bench` binary (the executable inside the mooncake Python
+    /// package, not the launcher script) to measure side by side.
+    #[arg(long)]
+    mooncake: Option<PathBuf>,
+    /// What Mooncake's initiator does to its target's memory, each measured: write (push,
+    /// the direction Mooncake moves KV caches in) and read (pull, as decoded does).
+    #[arg(long, value_delimiter = ',', default_value = "write,read")]
+    mooncake_operation: Vec<String>,
 }
+
+/// Page sizes (KiB) and batch sizes (bytes moved per pull, or per Mooncake batch).
+const PAGE_KIB: [u32; 2] = [64, 1024];
+const BATCHES: [u64; 2] = [1 << 20, 16 << 20];
+/// Mooncake's task submission threads (each keeps one batch in flight).
+const MOONCAKE_THREADS: u64 = 2;
 
 /// A page geometry of `page_kib` KiB pages (bf16, 16 tokens per page, 8 KV heads of 64).
 fn geometry(page_kib: u32) -> PageGeometry {
@@ -41,8 +82,132 @@ fn geometry(page_kib: u32) -> PageGeometry {
     }
 }
 
-/// Bytes per second of pulling `total` bytes of `page_kib` KiB pages, repeatedly.
-fn page_path(page_kib: u32, total: u64, seconds: f64) -> Result<f64, String> {
+/// CPU pressure since boot ("some" total, microseconds).
+fn cpu_pressure_us() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/pressure/cpu").ok()?;
+    let some = text.lines().find(|l| l.starts_with("some"))?;
+    some.split_whitespace()
+        .find_map(|f| f.strip_prefix("total="))
+        .and_then(|v| v.parse().ok())
+}
+
+/// The start of a measured interval: wall clock and CPU stall time.
+struct Interval {
+    start: Instant,
+    stalled_us: Option<u64>,
+}
+
+impl Interval {
+    fn start() -> Interval {
+        Interval {
+            stalled_us: cpu_pressure_us(),
+            start: Instant::now(),
+        }
+    }
+
+    /// Seconds since the start, and the share of them some task waited for a CPU.
+    fn end(&self) -> (f64, Option<f64>) {
+        let wall = self.start.elapsed().as_secs_f64();
+        let pressure = match (self.stalled_us, cpu_pressure_us()) {
+            (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / 1e6 / wall),
+            _ => None,
+        };
+        (wall, pressure)
+    }
+}
+
+/// The CPU pressure of an idle moment (nothing of ours running), to tell whether something
+/// else is using the CPUs.
+fn background() -> Option<f64> {
+    let interval = Interval::start();
+    std::thread::sleep(Duration::from_millis(500));
+    interval.end().1
+}
+
+/// One measured run: bytes per second, the CPU pressure during it and just before it.
+#[derive(Clone, Copy, Debug)]
+struct Run {
+    rate: f64,
+    pressure: Option<f64>,
+    before: Option<f64>,
+}
+
+impl Run {
+    /// Whether nothing else was competing for the CPUs (or pressure is not recorded here).
+    fn quiet(&self, limit: f64) -> bool {
+        self.before.is_none_or(|p| p <= limit)
+    }
+}
+
+impl std::fmt::Display for Run {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let show = |p: Option<f64>| p.map_or("n/a".to_string(), |p| format!("{p:.2}"));
+        write!(
+            f,
+            "{:.2} GiB/s (pressure {}, {} before)",
+            gib(self.rate),
+            show(self.pressure),
+            show(self.before)
+        )
+    }
+}
+
+fn gib(bytes_per_s: f64) -> f64 {
+    bytes_per_s / f64::from(1u32 << 30)
+}
+
+/// The median of the quiet runs, or of all runs when none was quiet; with the counts.
+struct Summary {
+    median: f64,
+    quiet: usize,
+    all: usize,
+}
+
+impl Summary {
+    fn of(runs: &[Run], quiet: f64) -> Option<Summary> {
+        let calm: Vec<f64> = runs
+            .iter()
+            .filter(|r| r.quiet(quiet))
+            .map(|r| r.rate)
+            .collect();
+        let quiet_runs = calm.len();
+        let mut v = if calm.is_empty() {
+            runs.iter().map(|r| r.rate).collect()
+        } else {
+            calm
+        };
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        let median = if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            f64::midpoint(v[n / 2 - 1], v[n / 2])
+        };
+        Some(Summary {
+            median,
+            quiet: quiet_runs,
+            all: runs.len(),
+        })
+    }
+
+    /// "1.23 [2/3]": the median and how many of the runs were quiet.
+    fn show(&self) -> String {
+        let flag = if self.quiet == 0 { " busy" } else { "" };
+        format!(
+            "{:.2} [{}/{}{flag}]",
+            gib(self.median),
+            self.quiet,
+            self.all
+        )
+    }
+}
+
+/// Pulls `total` bytes of `page_kib` KiB pages, repeatedly, for `seconds`.
+fn page_path(page_kib: u32, total: u64, seconds: f64) -> Result<Run, String> {
+    let before = background();
     let g = geometry(page_kib);
     let page_bytes = g.bytes_per_page();
     let pages = u32::try_from(total / page_bytes).map_err(|e| e.to_string())?;
@@ -81,8 +246,8 @@ fn page_path(page_kib: u32, total: u64, seconds: f64) -> Result<f64, String> {
     tcp::prepare(&stream).map_err(|x| e(&x))?;
     let page_len = u32::try_from(page_bytes).map_err(|x| e(&x))?;
     let (mut bytes, mut runs) = (0u64, 0u32);
-    let start = Instant::now();
-    while runs < 5 || start.elapsed().as_secs_f64() < seconds {
+    let interval = Interval::start();
+    while runs < 5 || interval.start.elapsed().as_secs_f64() < seconds {
         let mut res = decode
             .reserve(owner, tokens, u64::from(tokens))
             .map_err(|x| e(&x))?;
@@ -102,11 +267,16 @@ fn page_path(page_kib: u32, total: u64, seconds: f64) -> Result<f64, String> {
         bytes += total;
         runs += 1;
     }
-    Ok(bytes as f64 / start.elapsed().as_secs_f64())
+    let (wall, pressure) = interval.end();
+    Ok(Run {
+        rate: bytes as f64 / wall,
+        pressure,
+        before,
+    })
 }
 
 /// iperf3's received bytes per second over 127.0.0.1.
-fn iperf3(seconds: u32) -> Result<f64, String> {
+fn iperf3(seconds: u32) -> Result<Run, String> {
     let port = {
         let l = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
         l.local_addr()
@@ -122,8 +292,10 @@ fn iperf3(seconds: u32) -> Result<f64, String> {
         .map_err(|e| {
             format!("iperf3 not runnable ({e}); install it (apt-get install -y iperf3)")
         })?;
-    // A probe connection would count as the one-shot server's client: give it time instead.
-    std::thread::sleep(Duration::from_millis(500));
+    // A probe connection would count as the one-shot server's client: give it time instead
+    // (the idle pressure sample takes that time).
+    let before = background();
+    let interval = Interval::start();
     let out = Command::new("timeout")
         .args([
             &(seconds + 20).to_string(),
@@ -136,6 +308,7 @@ fn iperf3(seconds: u32) -> Result<f64, String> {
         .args(["-t", &seconds.to_string(), "-J"])
         .output()
         .map_err(|e| e.to_string());
+    let (_, pressure) = interval.end();
     let _ = server.kill();
     let _ = server.wait();
     let out = out?;
@@ -143,38 +316,321 @@ fn iperf3(seconds: u32) -> Result<f64, String> {
         serde_json::from_slice(&out.stdout).map_err(|e| format!("iperf3 output: {e}"))?;
     json["end"]["sum_received"]["bits_per_second"]
         .as_f64()
-        .map(|bits| bits / 8.0)
+        .map(|bits| Run {
+            rate: bits / 8.0,
+            pressure,
+            before,
+        })
         .ok_or_else(|| format!("no end.sum_received in iperf3 output: {}", json["error"]))
+}
+
+/// Checks that `bin` is an executable (ELF) rather than the package's launcher script, which
+/// would run the benchmark as a grandchild that stopping the launcher leaves behind.
+fn mooncake_binary(bin: &Path) -> Result<(), String> {
+    let mut magic = [0u8; 4];
+    std::fs::File::open(bin)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .map_err(|e| format!("{}: {e}", bin.display()))?;
+    if &magic != b"\x7fELF" {
+        return Err(format!(
+            "{} is not the transfer_engine_bench executable (a launcher script?); pass the \
+             one inside the mooncake package directory",
+            bin.display()
+        ));
+    }
+    Ok(())
+}
+
+/// The flags every Mooncake run gets: loopback only, no metadata server, two threads.
+fn mooncake_common(buffer: u64) -> Vec<String> {
+    vec![
+        "--metadata_server=P2PHANDSHAKE".into(),
+        "--local_server_name=127.0.0.1".into(),
+        "--protocol=tcp".into(),
+        format!("--threads={MOONCAKE_THREADS}"),
+        format!("--buffer_size={buffer}"),
+        "--logtostderr".into(),
+    ]
+}
+
+/// Stops a process started under `timeout` by its own id: `timeout` passes SIGTERM on to the
+/// benchmark and sends SIGKILL 5 s later if it is still running.
+fn stop(child: &mut Child) {
+    if let Ok(id) = i32::try_from(child.id()) {
+        let _ = kill(Pid::from_raw(id), Signal::SIGTERM);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// The port of the target's handshake listener, from its log line
+/// "... P2P handshake, listening on 127.0.0.1:PORT".
+fn handshake_port(line: &str) -> Option<u16> {
+    let rest = line.split("listening on 127.0.0.1:").nth(1)?;
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
+/// Bytes per second from the initiator's summary line
+/// "Test completed: duration D, batch count N, throughput X MB/s".
+fn mooncake_throughput(log: &str) -> Option<f64> {
+    let line = log.lines().find(|l| l.contains("Test completed:"))?;
+    let rest = line.split("throughput ").nth(1)?;
+    let mut words = rest.split_whitespace();
+    let value: f64 = words.next()?.parse().ok()?;
+    (words.next()? == "MB/s").then_some(value * 1e6)
+}
+
+/// The last lines of a log, for error messages.
+fn tail(log: &str) -> String {
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(3)..].join(" | ")
+}
+
+/// Mooncake's initiator moving batches of `batch` blocks of `block` bytes to (or from) its
+/// target over TCP on 127.0.0.1 for `seconds`, by its own report.
+fn mooncake(
+    bin: &Path,
+    operation: &str,
+    block: u64,
+    batch: u64,
+    seconds: &str,
+) -> Result<Run, String> {
+    // Each thread works on its own `batch * block` bytes of the buffer on both sides.
+    let buffer = block * batch * MOONCAKE_THREADS;
+    let mut target = Command::new("timeout")
+        .args(["--kill-after=5", "120"])
+        .arg(bin)
+        .arg("--mode=target")
+        .args(mooncake_common(buffer))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("starting the target: {e}"))?;
+    let (tx, rx) = mpsc::channel();
+    let stderr = target.stderr.take().ok_or("no target stderr")?;
+    // Keeps reading the target's log until it exits, so that it never blocks on a full pipe.
+    let reader = std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut seen = String::new();
+    let port = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => {
+                if let Some(port) = handshake_port(&line) {
+                    break Ok(port);
+                }
+                seen.push_str(&line);
+                seen.push('\n');
+            }
+            Err(_) => break Err(format!("target did not start: {}", tail(&seen))),
+        }
+    };
+    let result = port.and_then(|port| {
+        let before = background();
+        let interval = Interval::start();
+        let out = Command::new("timeout")
+            .args(["--kill-after=5", "60"])
+            .arg(bin)
+            .arg("--mode=initiator")
+            .args(mooncake_common(buffer))
+            .arg(format!("--segment_id=127.0.0.1:{port}"))
+            .arg(format!("--operation={operation}"))
+            .arg(format!("--block_size={block}"))
+            .arg(format!("--batch_size={batch}"))
+            .arg(format!("--duration={seconds}"))
+            .args(["--report_unit=MB", "--report_precision=1"])
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("starting the initiator: {e}"))?;
+        let (_, pressure) = interval.end();
+        let log = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        match mooncake_throughput(&log) {
+            Some(rate) if out.status.success() => Ok(Run {
+                rate,
+                pressure,
+                before,
+            }),
+            _ => Err(format!("initiator ({}): {}", out.status, tail(&log))),
+        }
+    });
+    stop(&mut target);
+    let _ = reader.join();
+    result
+}
+
+/// One case: `total` bytes per pull in `page_kib` KiB pages.
+struct Case {
+    page_kib: u32,
+    total: u64,
+    kvfence: Vec<Run>,
+    /// Mooncake's runs, one list per operation.
+    mooncake: Vec<Vec<Run>>,
+}
+
+impl Case {
+    fn name(&self) -> String {
+        format!(
+            "{:>2} MiB in {:>4} KiB pages",
+            self.total >> 20,
+            self.page_kib
+        )
+    }
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let gib = |b: f64| b / f64::from(1u32 << 30);
-    let iperf = iperf3(args.iperf_seconds);
-    match &iperf {
-        Ok(b) => println!("iperf3 loopback: {:.2} GiB/s", gib(*b)),
-        Err(e) => println!("iperf3 loopback: not measured: {e}"),
+    if let Some(op) = args
+        .mooncake_operation
+        .iter()
+        .find(|op| !["read", "write"].contains(&op.as_str()))
+    {
+        eprintln!("kvtcpbench: --mooncake-operation: {op} is neither read nor write");
+        return ExitCode::from(2);
     }
-    for page_kib in [64, 1024] {
-        for total in [1u64 << 20, 16 << 20] {
-            match page_path(page_kib, total, args.seconds) {
-                Ok(b) => {
-                    let ratio = iperf
-                        .as_ref()
-                        .map(|i| format!("{:.2} of iperf3", b / i))
-                        .unwrap_or_default();
-                    println!(
-                        "page path: {:>2} MiB in {page_kib:>4} KiB pages: {:.2} GiB/s {ratio}",
-                        total >> 20,
-                        gib(b)
-                    );
+    let mooncake_bin = match &args.mooncake {
+        None => None,
+        Some(bin) => match mooncake_binary(bin) {
+            Ok(()) => Some(bin.clone()),
+            Err(e) => {
+                println!("mooncake: not measured: {e}");
+                None
+            }
+        },
+    };
+    let ops: &[String] = if mooncake_bin.is_some() {
+        &args.mooncake_operation
+    } else {
+        &[]
+    };
+    let mooncake_seconds = format!("{:.0}", args.seconds.ceil().max(1.0));
+    let mut cases: Vec<Case> = PAGE_KIB
+        .iter()
+        .flat_map(|&page_kib| {
+            BATCHES.iter().map(move |&total| Case {
+                page_kib,
+                total,
+                kvfence: Vec::new(),
+                mooncake: vec![Vec::new(); ops.len()],
+            })
+        })
+        .collect();
+    let mut iperf: Vec<Run> = Vec::new();
+    let rounds = args.rounds.max(1);
+    for round in 1..=rounds {
+        println!("round {round}/{rounds}");
+        match iperf3(args.iperf_seconds) {
+            Ok(r) => {
+                println!("  iperf3 loopback: {r}");
+                iperf.push(r);
+            }
+            Err(e) => println!("  iperf3 loopback: not measured: {e}"),
+        }
+        for case in &mut cases {
+            match page_path(case.page_kib, case.total, args.seconds) {
+                Ok(r) => {
+                    println!("  page path      {}: {r}", case.name());
+                    case.kvfence.push(r);
                 }
                 Err(e) => {
-                    eprintln!("kvtcpbench: {page_kib} KiB pages, {} MiB: {e}", total >> 20);
+                    eprintln!("kvtcpbench: page path {}: {e}", case.name());
                     return ExitCode::from(1);
+                }
+            }
+            let Some(bin) = &mooncake_bin else {
+                continue;
+            };
+            // Blocks of the page size, batches of the bytes one pull moves.
+            let block = u64::from(case.page_kib) << 10;
+            let batch = case.total / block;
+            let case_name = case.name();
+            for (op, runs) in ops.iter().zip(&mut case.mooncake) {
+                let name = format!("mooncake {op:<5} {case_name}");
+                match mooncake(bin, op, block, batch, &mooncake_seconds) {
+                    Ok(r) => {
+                        println!("  {name}: {r}");
+                        runs.push(r);
+                    }
+                    Err(e) => println!("  {name}: not measured: {e}"),
                 }
             }
         }
     }
+
+    println!(
+        "median GiB/s of the quiet runs (CPU pressure before <= {:.2}) [quiet/all runs]:",
+        args.quiet_pressure
+    );
+    let iperf = Summary::of(&iperf, args.quiet_pressure);
+    match &iperf {
+        Some(s) => println!("  iperf3 loopback: {}", s.show()),
+        None => println!("  iperf3 loopback: not measured"),
+    }
+    for case in &cases {
+        let Some(k) = Summary::of(&case.kvfence, args.quiet_pressure) else {
+            continue;
+        };
+        let mut line = format!("  page path {}: {}", case.name(), k.show());
+        if let Some(i) = &iperf {
+            line += &format!(", {:.2} of iperf3", k.median / i.median);
+        }
+        for (op, runs) in ops.iter().zip(&case.mooncake) {
+            match Summary::of(runs, args.quiet_pressure) {
+                Some(m) => {
+                    line += &format!(", {:.2}x mooncake {op} ({})", k.median / m.median, m.show());
+                }
+                None => line += &format!(", mooncake {op} not measured"),
+            }
+        }
+        println!("{line}");
+    }
     ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_mooncake_logs() {
+        let target = "I1202 15:00:32.348415 17734 transfer_engine_impl.cpp:183] Transfer \
+                      Engine RPC using P2P handshake, listening on 127.0.0.1:16989";
+        assert_eq!(handshake_port(target), Some(16989));
+        assert_eq!(handshake_port("TcpTransport: listen on port 16838"), None);
+        let initiator = "I1202 x.cpp:440] Worker 0 stopped!\n\
+                         I1202 x.cpp:569] Test completed: duration 2.01, batch count 1393, \
+                         throughput 727.8 MB/s\n";
+        assert_eq!(mooncake_throughput(initiator), Some(727.8e6));
+        assert_eq!(mooncake_throughput("throughput 0.79 GB/s"), None);
+    }
+
+    #[test]
+    fn summary_prefers_quiet_runs() {
+        let run = |rate, p| Run {
+            rate,
+            pressure: Some(1.0),
+            before: Some(p),
+        };
+        let s = Summary::of(&[run(1.0, 0.9), run(3.0, 0.1), run(5.0, 0.2)], 0.3).unwrap();
+        assert_eq!((s.median, s.quiet, s.all), (4.0, 2, 3));
+        let s = Summary::of(&[run(1.0, 0.9), run(2.0, 0.8), run(9.0, 0.7)], 0.3).unwrap();
+        assert_eq!((s.median, s.quiet, s.all), (2.0, 0, 3));
+        assert!(Summary::of(&[], 0.3).is_none());
+    }
 }
