@@ -8,12 +8,12 @@
 //! The contenders run in interleaved rounds (iperf3, then for each case the page path and
 //! Mooncake), so a busy moment on a shared machine hits all of them alike. Every run records
 //! its CPU pressure (the "some" stall time of /proc/pressure/cpu over the run's wall time),
-//! and the pressure over an idle moment just before it: the contenders' own threads stall
-//! each other on a small machine (Mooncake's initiator polls for completions on both of its
-//! threads), so only the pressure before a run tells whether something else was using the
-//! CPUs. The summary is the median of the quiet runs (pressure before at most
-//! `--quiet-pressure`), or of all runs, flagged, when none was quiet. Ratios are taken
-//! between those medians.
+//! and the pressure over idle moments just before and just after it (the next run's "before"):
+//! the contenders' own threads stall each other on a small machine (Mooncake's initiator
+//! polls for completions on both of its threads), so only the pressure around a run tells
+//! whether something else was using the CPUs. The summary is the median of the quiet runs
+//! (pressure before and after at most `--quiet-pressure`), or of all runs, flagged, when
+//! none was quiet. Ratios are taken between those medians.
 //!
 //! Mooncake runs only on 127.0.0.1: peer-to-peer handshake instead of a metadata server,
 //! `127.0.0.1` as its server name and segment, two submission threads, under `timeout`, and
@@ -124,18 +124,21 @@ fn background() -> Option<f64> {
     interval.end().1
 }
 
-/// One measured run: bytes per second, the CPU pressure during it and just before it.
+/// One measured run: bytes per second, the CPU pressure during it, just before and just
+/// after it.
 #[derive(Clone, Copy, Debug)]
 struct Run {
     rate: f64,
     pressure: Option<f64>,
     before: Option<f64>,
+    after: Option<f64>,
 }
 
 impl Run {
-    /// Whether nothing else was competing for the CPUs (or pressure is not recorded here).
+    /// Whether nothing else was competing for the CPUs around it (a missing reading, as on
+    /// a kernel without pressure stall information, does not count against it).
     fn quiet(&self, limit: f64) -> bool {
-        self.before.is_none_or(|p| p <= limit)
+        self.before.is_none_or(|p| p <= limit) && self.after.is_none_or(|p| p <= limit)
     }
 }
 
@@ -272,6 +275,7 @@ fn page_path(page_kib: u32, total: u64, seconds: f64) -> Result<Run, String> {
         rate: bytes as f64 / wall,
         pressure,
         before,
+        after: None,
     })
 }
 
@@ -320,6 +324,7 @@ fn iperf3(seconds: u32) -> Result<Run, String> {
             rate: bits / 8.0,
             pressure,
             before,
+            after: None,
         })
         .ok_or_else(|| format!("no end.sum_received in iperf3 output: {}", json["error"]))
 }
@@ -466,6 +471,7 @@ fn mooncake(
                 rate,
                 pressure,
                 before,
+                after: None,
             }),
             _ => Err(format!("initiator ({}): {}", out.status, tail(&log))),
         }
@@ -479,9 +485,6 @@ fn mooncake(
 struct Case {
     page_kib: u32,
     total: u64,
-    kvfence: Vec<Run>,
-    /// Mooncake's runs, one list per operation.
-    mooncake: Vec<Vec<Run>>,
 }
 
 impl Case {
@@ -491,6 +494,44 @@ impl Case {
             self.total >> 20,
             self.page_kib
         )
+    }
+}
+
+/// Who ran: iperf3, the page path in case `c`, or Mooncake's operation `o` in case `c`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Who {
+    Iperf,
+    PagePath(usize),
+    Mooncake(usize, usize),
+}
+
+/// Every run in the order they ran, so that each run's "after" is the next one's "before".
+#[derive(Default)]
+struct Log(Vec<(Who, Run)>);
+
+impl Log {
+    fn push(&mut self, who: Who, run: Run) {
+        if let Some((_, last)) = self.0.last_mut() {
+            last.after = run.before;
+        }
+        self.0.push((who, run));
+    }
+
+    /// Samples the idle moment after the last run.
+    fn close(&mut self) {
+        if let Some((_, last)) = self.0.last_mut() {
+            last.after = background();
+        }
+    }
+
+    fn summary(&self, who: Who, quiet: f64) -> Option<Summary> {
+        let runs: Vec<Run> = self
+            .0
+            .iter()
+            .filter(|(w, _)| *w == who)
+            .map(|(_, r)| *r)
+            .collect();
+        Summary::of(&runs, quiet)
     }
 }
 
@@ -520,33 +561,26 @@ fn main() -> ExitCode {
         &[]
     };
     let mooncake_seconds = format!("{:.0}", args.seconds.ceil().max(1.0));
-    let mut cases: Vec<Case> = PAGE_KIB
+    let cases: Vec<Case> = PAGE_KIB
         .iter()
-        .flat_map(|&page_kib| {
-            BATCHES.iter().map(move |&total| Case {
-                page_kib,
-                total,
-                kvfence: Vec::new(),
-                mooncake: vec![Vec::new(); ops.len()],
-            })
-        })
+        .flat_map(|&page_kib| BATCHES.iter().map(move |&total| Case { page_kib, total }))
         .collect();
-    let mut iperf: Vec<Run> = Vec::new();
+    let mut log = Log::default();
     let rounds = args.rounds.max(1);
     for round in 1..=rounds {
         println!("round {round}/{rounds}");
         match iperf3(args.iperf_seconds) {
             Ok(r) => {
                 println!("  iperf3 loopback: {r}");
-                iperf.push(r);
+                log.push(Who::Iperf, r);
             }
             Err(e) => println!("  iperf3 loopback: not measured: {e}"),
         }
-        for case in &mut cases {
+        for (c, case) in cases.iter().enumerate() {
             match page_path(case.page_kib, case.total, args.seconds) {
                 Ok(r) => {
                     println!("  page path      {}: {r}", case.name());
-                    case.kvfence.push(r);
+                    log.push(Who::PagePath(c), r);
                 }
                 Err(e) => {
                     eprintln!("kvtcpbench: page path {}: {e}", case.name());
@@ -559,39 +593,40 @@ fn main() -> ExitCode {
             // Blocks of the page size, batches of the bytes one pull moves.
             let block = u64::from(case.page_kib) << 10;
             let batch = case.total / block;
-            let case_name = case.name();
-            for (op, runs) in ops.iter().zip(&mut case.mooncake) {
-                let name = format!("mooncake {op:<5} {case_name}");
+            for (o, op) in ops.iter().enumerate() {
+                let name = format!("mooncake {op:<5} {}", case.name());
                 match mooncake(bin, op, block, batch, &mooncake_seconds) {
                     Ok(r) => {
                         println!("  {name}: {r}");
-                        runs.push(r);
+                        log.push(Who::Mooncake(c, o), r);
                     }
                     Err(e) => println!("  {name}: not measured: {e}"),
                 }
             }
         }
     }
+    log.close();
 
+    let quiet = args.quiet_pressure;
     println!(
-        "median GiB/s of the quiet runs (CPU pressure before <= {:.2}) [quiet/all runs]:",
-        args.quiet_pressure
+        "median GiB/s of the quiet runs (CPU pressure before and after <= {quiet:.2}) \
+         [quiet/all runs]:"
     );
-    let iperf = Summary::of(&iperf, args.quiet_pressure);
+    let iperf = log.summary(Who::Iperf, quiet);
     match &iperf {
         Some(s) => println!("  iperf3 loopback: {}", s.show()),
         None => println!("  iperf3 loopback: not measured"),
     }
-    for case in &cases {
-        let Some(k) = Summary::of(&case.kvfence, args.quiet_pressure) else {
+    for (c, case) in cases.iter().enumerate() {
+        let Some(k) = log.summary(Who::PagePath(c), quiet) else {
             continue;
         };
         let mut line = format!("  page path {}: {}", case.name(), k.show());
         if let Some(i) = &iperf {
             line += &format!(", {:.2} of iperf3", k.median / i.median);
         }
-        for (op, runs) in ops.iter().zip(&case.mooncake) {
-            match Summary::of(runs, args.quiet_pressure) {
+        for (o, op) in ops.iter().enumerate() {
+            match log.summary(Who::Mooncake(c, o), quiet) {
                 Some(m) => {
                     line += &format!(", {:.2}x mooncake {op} ({})", k.median / m.median, m.show());
                 }
@@ -625,12 +660,31 @@ mod tests {
         let run = |rate, p| Run {
             rate,
             pressure: Some(1.0),
-            before: Some(p),
+            before: Some(0.0),
+            after: Some(p),
         };
         let s = Summary::of(&[run(1.0, 0.9), run(3.0, 0.1), run(5.0, 0.2)], 0.3).unwrap();
         assert_eq!((s.median, s.quiet, s.all), (4.0, 2, 3));
         let s = Summary::of(&[run(1.0, 0.9), run(2.0, 0.8), run(9.0, 0.7)], 0.3).unwrap();
         assert_eq!((s.median, s.quiet, s.all), (2.0, 0, 3));
         assert!(Summary::of(&[], 0.3).is_none());
+    }
+
+    #[test]
+    fn a_run_is_quiet_only_if_the_next_one_started_quiet() {
+        let run = |rate, before| Run {
+            rate,
+            pressure: Some(0.9),
+            before: Some(before),
+            after: None,
+        };
+        let mut log = Log::default();
+        log.push(Who::PagePath(0), run(1.0, 0.0));
+        log.push(Who::Mooncake(0, 0), run(2.0, 0.8));
+        log.push(Who::PagePath(0), run(3.0, 0.0));
+        let s = log.summary(Who::PagePath(0), 0.3).unwrap();
+        assert_eq!((s.median, s.quiet, s.all), (3.0, 1, 2));
+        let s = log.summary(Who::Mooncake(0, 0), 0.3).unwrap();
+        assert_eq!((s.quiet, s.all), (0, 1));
     }
 }
