@@ -15,7 +15,7 @@
 //! A page goes back to the free list only from a state with no writer. The values that carry
 //! these states are RAII: a [`Reservation`] frees its pages when dropped (or parks them in
 //! `Draining` while a [`WriteGrant`] is alive); a [`WriteGrant`] ends its writes when dropped;
-//! a [`VerifiedKv`] — the only way to read page contents for attention — can be produced only
+//! a [`VerifiedKv`](crate::verify::VerifiedKv) — the only way to read page contents for attention — can be produced only
 //! by [`Reservation::verify`] (in `verify.rs`).
 
 use crate::config::{PoisonMode, Scrub};

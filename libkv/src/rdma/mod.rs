@@ -1,5 +1,6 @@
-//! RDMA transport groundwork: device discovery and selection, pool registration and
-//! per-request memory windows (see [`RegisteredPool`]).
+//! The RDMA transport: device discovery and selection, pool registration, per-request
+//! memory windows (see `RegisteredPool`) and the sessions that read pages through them
+//! ([`ServerSession`], [`ClientSession`]; the design is in `session.rs`).
 //!
 //! Devices are reached through `sideway`, which loads libibverbs at run time: a binary built
 //! with RDMA support still starts on a host without it, and [`rdma_status`] says why RDMA is

@@ -1,4 +1,4 @@
-//! The verbs side of the RDMA groundwork (feature `rdma`).
+//! The verbs side of the RDMA transport (feature `rdma`): device selection, QPs, windows.
 
 use std::fmt;
 use std::io;
@@ -14,7 +14,8 @@ use crate::config::RdmaConfig;
 #[path = "window.rs"]
 mod window;
 pub use window::{
-    Completion, PageRead, QpEndpoint, RdmaQp, RegisteredPool, RequestWindow, WindowAccess,
+    Completion, MAX_READ_BYTES, PageRead, QpEndpoint, RdmaQp, RegisteredPool, RequestWindow,
+    WindowAccess,
 };
 
 fn gid_kind(kind: GidType) -> &'static str {
