@@ -6,7 +6,7 @@
 # host; the guest sees the host root read-only over
 # virtio-9p, brings up rxe0 on a dummy netdev with a TEST-NET-1 address that exists only in
 # the guest (`-nic none`: no network at all), and runs the binary with KVFENCE_RDMA_DEVICE=rxe0
-# (see tests/vm/rxe-guest.sh).
+# (see tests/vm/rxe-guest.sh and rxe-up.sh; the boot itself is in rxe-lib.sh).
 #
 # Usage: tests/vm/rxe.sh [--no-build] [--no-setup]
 #   --no-build  use the binaries cargo built last
@@ -18,7 +18,10 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
-cache=${KVFENCE_VM_CACHE:-$HOME/.cache/kvfence-vm}
+# shellcheck disable=SC2034  # used by rxe-lib.sh
+tag=rxe
+# shellcheck source=rxe-lib.sh
+. "$here/rxe-lib.sh"
 build=1
 setup=1
 for a in "$@"; do
@@ -29,21 +32,8 @@ for a in "$@"; do
     *) echo "rxe: unknown argument $a" >&2; exit 1 ;;
   esac
 done
-skip() { echo "rxe: SKIP: $*" >&2; exit 77; }
 t0=$SECONDS
-
-[ "$(uname -m)" = x86_64 ] || skip "needs an x86_64 host (the guest kernel is amd64)"
-[ "$(id -u)" = 0 ] || skip "needs root (the host root is exported to the guest over 9p)"
-if [ "$setup" = 1 ]; then
-  timeout 1800 "$here/setup.sh" --rxe
-  rc=$?
-  [ "$rc" = 77 ] && exit 77
-  [ "$rc" = 0 ] || { echo "rxe: FAIL: setup.sh --rxe exited $rc" >&2; exit 1; }
-fi
-command -v qemu-system-x86_64 >/dev/null || skip "qemu-system-x86_64 missing (run tests/vm/setup.sh --rxe as root)"
-for f in kernel/vmlinux initramfs-rxe.cpio.gz; do
-  [ -e "$cache/$f" ] || skip "$cache/$f missing: run tests/vm/setup.sh --rxe"
-done
+rxe_prepare "$setup"
 
 # The test binaries: cargo names them with a hash, its JSON messages say which. The stack
 # tests spawn the daemons from target/release, built with RDMA here as well.
@@ -77,41 +67,9 @@ out=$(mktemp -d -t kvfence-rxe.XXXXXX)
   echo "$stack rdma"
 } > "$out/test-binaries"
 cp "$here/rxe-guest.sh" "$out/rxe-guest.sh"
-chmod -R a+rX "$out"
-
-# shellcheck disable=SC2054  # the commas belong to qemu options
-case "${KVFENCE_VM_ACCEL:-tcg}" in
-  kvm) accel=(-machine q35 -accel kvm -cpu host) ;;
-  *) accel=(-machine q35 -accel tcg,thread=multi,tb-size=64 -cpu max) ;;
-esac
-vm_timeout=${KVFENCE_VM_TIMEOUT:-300}
-echo "rxe: booting the guest (timeout ${vm_timeout}s), results in $out"
-tv=$SECONDS
-timeout --kill-after=10 "$vm_timeout" qemu-system-x86_64 "${accel[@]}" \
-  -smp "${KVFENCE_VM_CPUS:-2}" -m "${KVFENCE_VM_MEM:-1024}" \
-  -display none -vga none -monitor none -serial stdio -no-reboot -nic none \
-  -kernel "$cache/kernel/vmlinux" -initrd "$cache/initramfs-rxe.cpio.gz" \
-  -append "console=ttyS0 quiet loglevel=3 panic=-1 mitigations=off kvfence_out=$out kvfence_script=$out/rxe-guest.sh kvfence_timeout=$((vm_timeout - 30))" \
-  -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap \
-  -virtfs local,path="$out",mount_tag=out,security_model=none,multidevs=remap \
-  < /dev/null > "$out/console.log" 2>&1
-qrc=$?
-tq=$((SECONDS - tv))
-
-# the guest's output (rxe set-up, then the test binary's) without the boot noise
-sed -n '/^init: ready/,/^KVFENCE_VM_EXIT=/p' "$out/console.log" | tr -d '\r'
-if [ "$qrc" = 124 ] || [ "$qrc" = 137 ]; then
-  echo "rxe: FAIL: the guest did not power off within ${vm_timeout}s; see $out/console.log" >&2
-  tail -20 "$out/console.log" >&2
-  exit 1
-fi
-if [ ! -f "$out/exit-code" ]; then
-  echo "rxe: FAIL: no result from the guest (qemu rc $qrc); see $out/console.log" >&2
-  tail -20 "$out/console.log" >&2
-  exit 1
-fi
-rc=$(cat "$out/exit-code")
-echo "rxe: build $((tb - t0)) s, VM $tq s (boot to poweroff), total $((SECONDS - t0)) s"
+rxe_boot "$out" rxe-guest.sh "${KVFENCE_VM_TIMEOUT:-300}" || exit 1
+rc=$guest_rc
+echo "rxe: build $((tb - t0)) s, VM $vm_seconds s (boot to poweroff), total $((SECONDS - t0)) s"
 if [ "$rc" = 0 ]; then
   echo "rxe: PASS"
   if [ "${KVFENCE_VM_KEEP:-0}" = 1 ]; then echo "rxe: results kept in $out"; else rm -rf "$out"; fi
