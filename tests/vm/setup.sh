@@ -14,8 +14,8 @@
 #
 # With --rxe it prepares the soft-RoCE guest of tests/vm/rxe.sh instead: the same kernel, a
 # second initramfs (tests/vm/rxe-init.sh as /init, rdma_rxe and its dependencies, the dummy
-# netdev) that runs a script in a chroot of the host root, and the host's rxe provider
-# library (ibverbs-providers); no rootfs.
+# netdev) that runs a script in a chroot of the host root, the host's rxe provider library
+# (ibverbs-providers) and perftest (for tests/vm/rxe-bench.sh); no rootfs.
 #
 # Usage: tests/vm/setup.sh [--rebuild-rootfs] [--rebuild-all] [--rxe]
 # Env:   KVFENCE_VM_CACHE   cache directory
@@ -55,9 +55,10 @@ fi
 for p in qemu-system-x86:qemu-system-x86_64 cpio:cpio kmod:depmod xz-utils:xz zstd:zstd $tools; do
   command -v "${p#*:}" >/dev/null || need+=("${p%%:*}")
 done
-# the guest runs host binaries on the host's libraries: libibverbs and its rxe provider
+# the guest runs host binaries on the host's libraries: libibverbs and its rxe provider, and
+# perftest (ib_read_bw, ib_write_bw) for tests/vm/rxe-bench.sh
 if [ "$rxe" = 1 ]; then
-  for p in libibverbs1 ibverbs-providers; do
+  for p in libibverbs1 ibverbs-providers perftest; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || need+=("$p")
   done
 fi
