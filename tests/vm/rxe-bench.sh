@@ -5,11 +5,13 @@
 # write, for each size, then again), and the ratios kvfence / ib_read_bw and
 # kvfence / ib_write_bw per message size: the median of the per-round ratios.
 #
-# Under TCG every figure is slow (ib_write_bw about 0.2-0.3 Gb/s) and only the ratios mean
+# Under TCG every figure is slow (ib_write_bw about 0.1-0.3 Gb/s) and only the ratios mean
 # anything. A benchmark: it prints figures and asserts nothing; it fails only when a run
 # fails. perftest must be installed on the host (tests/vm/setup.sh --rxe installs it).
 #
 # Usage: tests/vm/rxe-bench.sh [--no-build] [--no-setup]
+#   --no-build  use the kvrdmabench cargo built last
+#   --no-setup  do not run tests/vm/setup.sh --rxe (the cache must be ready)
 # Env: KVFENCE_BENCH_ROUNDS (3), KVFENCE_BENCH_SIZES (bytes, "65536 1048576"),
 #      KVFENCE_BENCH_SECONDS (per kvrdmabench case, 3), KVFENCE_BENCH_MIB (per perftest run, 48),
 #      KVFENCE_VM_TIMEOUT (whole VM, s, 600), and rxe-lib.sh's KVFENCE_VM_*.
@@ -26,7 +28,7 @@ for a in "$@"; do
   case $a in
     --no-build) build=0 ;;
     --no-setup) setup=0 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "$tag: unknown argument $a" >&2; exit 1 ;;
   esac
 done
@@ -35,14 +37,14 @@ for t in ib_read_bw ib_write_bw ss; do
   command -v "$t" >/dev/null || skip "$t missing (run tests/vm/setup.sh --rxe as root)"
 done
 
-bin=$root/target/release/kvrdmabench
-if [ "$build" = 1 ]; then
-  echo "$tag: cargo build --release -p kvfence-tests --features libkv/rdma --bin kvrdmabench"
-  (cd "$root" && timeout 1800 cargo build --release --locked -q -p kvfence-tests \
-     --features libkv/rdma --bin kvrdmabench) \
-    || { echo "$tag: FAIL: cannot build kvrdmabench" >&2; exit 1; }
-fi
-[ -x "$bin" ] || { echo "$tag: FAIL: no $bin (build it, or drop --no-build)" >&2; exit 1; }
+# The binary: cargo's JSON messages say where it is (whatever the target directory).
+build_args=(build --release --locked -p kvfence-tests --features libkv/rdma --bin kvrdmabench
+            --message-format=json)
+[ "$build" = 1 ] && echo "$tag: cargo ${build_args[*]}"
+[ "$build" = 1 ] || build_args+=(--offline)
+bin=$(cd "$root" && timeout 1800 cargo "${build_args[@]}" 2>/dev/null \
+      | sed -n 's/.*"target":{[^}]*"name":"kvrdmabench"[^}]*}.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
+[ -x "${bin:-/nonexistent}" ] || { echo "$tag: FAIL: cannot build or find kvrdmabench" >&2; exit 1; }
 
 out=$(mktemp -d -t kvfence-rxe-bench.XXXXXX)
 cat > "$out/bench.env" <<EOT
