@@ -39,7 +39,7 @@ use crate::sys::rdma as sys;
 const COMPLETION_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Largest single RDMA READ: contiguous page runs are coalesced up to this size.
-pub const MAX_READ_BYTES: u64 = 4 << 20;
+pub const MAX_READ_BYTES: u64 = 1 << 20;
 
 /// Most RDMA READs one [`RdmaQp::read_pages`] keeps posted at once.
 const READS_POSTED: usize = 64;
