@@ -79,13 +79,14 @@
 //! decoded                                    prefilld page server
 //!   | PageRequest(token, owner, pages) ------->| token, owner held, every page in the
 //!   |                                          | owner's manifest, or Error and close
-//!   |<-- PageData(owner, 0, len) + len bytes --|
-//!   |<-- PageData(owner, 1, len) + len bytes --|  ... one per requested page, in order
+//!   |<-- PageData(owner, 0, len) + len bytes --|  pages 0.. as whole pages, up to 1 MiB
+//!   |<-- PageData(owner, k, len) + len bytes --|  ... the next ones, in order
 //! ```
 //!
 //! The page bytes follow their `PageData` frame raw (a page can be larger than
-//! [`MAX_BODY_LEN`]); decoded checks owner, index and `len` (exactly one page) before
-//! reading them straight into its own reservation's page, then verifies as on shared memory.
+//! [`MAX_BODY_LEN`]); decoded checks owner, index and `len` (whole pages, none past the
+//! request's end) before reading them straight into its own reservation's pages with one
+//! vectored read, then verifies as on shared memory.
 //!
 //! Frames about a request carry its [`RequestId`] in the header; the client's `Submit`
 //! carries 0 and kvctld answers with the id it assigned. Every stage has a deadline. On
@@ -1169,7 +1170,7 @@ impl PrefillEndpoint {
 }
 
 /// Decode worker to prefill page server, on TCP: send the listed pages of `owner`, in order.
-/// The server answers with one [`PageData`] and its bytes per page, or with one [`Error`]
+/// The server answers with [`PageData`] frames, each followed by whole pages, or with one [`Error`]
 /// and closes the connection: it serves a page only if it holds a reservation for exactly
 /// `owner` (request and generation) and the page is in that owner's manifest.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -1198,14 +1199,16 @@ impl PageRequest {
     }
 }
 
-/// Page server to decode worker, on TCP: the `index`-th page of the request follows the
-/// frame as `len` raw bytes (not part of the frame body). The receiver checks `owner`,
-/// `index` and `len` (exactly one page) before reading a byte of it.
+/// Page server to decode worker, on TCP: pages `index ..` of the request follow the frame
+/// as `len` raw bytes (not part of the frame body), `len / page bytes` whole pages; the
+/// server batches up to [`crate::tcp::PAGE_BATCH_BYTES`] per frame (one page when pages are
+/// larger). The receiver checks `owner`, `index` (the next page it expects) and `len` (at
+/// least one whole page, none past the request's end) before reading a byte.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PageData {
     /// Whose page.
     pub owner: Owner,
-    /// Position of the page in the `PageRequest`.
+    /// Position in the `PageRequest` of the first page that follows.
     pub index: u32,
     /// Bytes that follow.
     pub len: u32,

@@ -45,15 +45,18 @@ pub enum TcpError {
     /// A valid frame of a type not expected here.
     #[error("unexpected {got:?}, expected {expected:?}")]
     Unexpected { got: MsgType, expected: MsgType },
-    /// A `PageData` that does not announce the next expected page.
+    /// A `PageData` that does not announce the next expected pages.
     #[error(
         "PageData for {got_owner} index {got_index} of {got_len} bytes, expected {owner} \
-         index {index} of {len} bytes"
+         index {index}: 1 to {left} whole pages of {len} bytes"
     )]
     BadPage {
         owner: Owner,
         index: u32,
+        /// Bytes per page.
         len: u32,
+        /// Pages the request still expects.
+        left: u32,
         got_owner: Owner,
         got_index: u32,
         got_len: u32,
@@ -118,29 +121,32 @@ pub fn read_full(
     Ok(())
 }
 
-/// Writes all of `bufs` in order, calling `keep_going` whenever a write slice times out.
+/// Writes all of `bufs` in order with vectored writes (a page's header and its bytes leave
+/// in one call, not as a lone small segment), calling `keep_going` whenever a write slice
+/// times out.
 pub fn write_full(
     mut stream: &TcpStream,
     bufs: &[&[u8]],
     keep_going: &mut dyn FnMut() -> bool,
 ) -> Result<(), TcpError> {
-    for buf in bufs {
-        let mut at = 0;
-        while at < buf.len() {
-            match stream.write(&buf[at..]) {
-                Ok(0) => return Err(TcpError::Closed { during: "writing" }),
-                Ok(n) => at += n,
-                Err(e) if is_timeout(&e) => {
-                    if !keep_going() {
-                        return Err(TcpError::Stopped);
-                    }
+    let mut slices: Vec<io::IoSlice<'_>> = bufs.iter().map(|b| io::IoSlice::new(b)).collect();
+    let mut rest = &mut slices[..];
+    io::IoSlice::advance_slices(&mut rest, 0);
+    while !rest.is_empty() {
+        match stream.write_vectored(rest) {
+            Ok(0) => return Err(TcpError::Closed { during: "writing" }),
+            Ok(n) => io::IoSlice::advance_slices(&mut rest, n),
+            Err(e) if is_timeout(&e) => {
+                if !keep_going() {
+                    return Err(TcpError::Stopped);
                 }
-                Err(e) => {
-                    return Err(TcpError::Io {
-                        op: "writing",
-                        source: e,
-                    });
-                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                return Err(TcpError::Io {
+                    op: "writing",
+                    source: e,
+                });
             }
         }
     }
@@ -181,10 +187,11 @@ pub fn write_frame(
     write_full(stream, &[&bytes], keep_going)
 }
 
-/// Decode's side: asks for `pages` of `owner` on `stream` and reads each page straight into
-/// `dst(index)` (exactly `page_bytes` long), checking `keep_going` between pages and while
-/// the socket is silent. Every `PageData` is checked (owner, index, length) before a byte of
-/// its page is read. On any error the stream must be dropped.
+/// Decode's side: asks for `pages` of `owner` on `stream` and reads them straight into
+/// `dst`'s pages (each exactly `page_bytes` long), a batch per vectored read, checking
+/// `keep_going` between batches and while the socket is silent. Every `PageData` is checked
+/// (owner, next index, whole pages, none past the end) before a byte of its pages is read.
+/// On any error the stream must be dropped.
 pub fn fetch_pages(
     stream: &TcpStream,
     token: [u8; TOKEN_BYTES],
@@ -200,11 +207,13 @@ pub fn fetch_pages(
         pages: pages.to_vec(),
     };
     write_frame(stream, owner.request, request, keep_going)?;
-    for (i, _) in pages.iter().enumerate() {
+    let mut i = 0usize;
+    while i < pages.len() {
         if !keep_going() {
             return Err(TcpError::Stopped);
         }
         let index = u32::try_from(i).unwrap_or(u32::MAX);
+        let left = u32::try_from(pages.len() - i).unwrap_or(u32::MAX);
         let (_, msg) = read_frame(stream, "reading a page header", keep_going)?;
         let data = match msg {
             Message::PageData(d) => d,
@@ -226,52 +235,94 @@ pub fn fetch_pages(
             index: got_index,
             len: got_len,
         } = data;
-        let buf = match dst.page_mut(i) {
-            Some(buf) if got_owner == owner && got_index == index && got_len == page_bytes => buf,
-            _ => {
-                return Err(TcpError::BadPage {
-                    owner,
-                    index,
-                    len: page_bytes,
-                    got_owner,
-                    got_index,
-                    got_len,
-                });
-            }
+        let bad = || TcpError::BadPage {
+            owner,
+            index,
+            len: page_bytes,
+            left,
+            got_owner,
+            got_index,
+            got_len,
         };
-        if buf.len() != page_bytes as usize {
-            return Err(TcpError::BadPage {
-                owner,
-                index,
-                len: u32::try_from(buf.len()).unwrap_or(u32::MAX),
-                got_owner,
-                got_index,
-                got_len,
-            });
+        let count = if page_bytes > 0 && got_len % page_bytes == 0 {
+            got_len / page_bytes
+        } else {
+            0
+        };
+        if got_owner != owner || got_index != index || count == 0 || count > left {
+            return Err(bad());
         }
-        read_full(stream, buf, "reading a page", keep_going)?;
+        let count = count as usize;
+        let mut bufs = dst.pages_mut(i, count).ok_or_else(bad)?;
+        if bufs.len() != count || bufs.iter().any(|b| b.len() != page_bytes as usize) {
+            return Err(bad());
+        }
+        read_full_vectored(stream, &mut bufs, "reading pages", keep_going)?;
+        i += count;
     }
     Ok(())
 }
 
-/// Where received pages go: the `index`-th page of a request, exactly one page long.
+/// Fills every buffer of `bufs` in order from `stream` with vectored reads, calling
+/// `keep_going` whenever a read slice times out.
+pub fn read_full_vectored(
+    mut stream: &TcpStream,
+    bufs: &mut [&mut [u8]],
+    during: &'static str,
+    keep_going: &mut dyn FnMut() -> bool,
+) -> Result<(), TcpError> {
+    let mut slices: Vec<io::IoSliceMut<'_>> =
+        bufs.iter_mut().map(|b| io::IoSliceMut::new(b)).collect();
+    let mut rest = &mut slices[..];
+    io::IoSliceMut::advance_slices(&mut rest, 0);
+    while !rest.is_empty() {
+        match stream.read_vectored(rest) {
+            Ok(0) => return Err(TcpError::Closed { during }),
+            Ok(n) => io::IoSliceMut::advance_slices(&mut rest, n),
+            Err(e) if is_timeout(&e) => {
+                if !keep_going() {
+                    return Err(TcpError::Stopped);
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                return Err(TcpError::Io {
+                    op: during,
+                    source: e,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Where received pages go: pages of a request by index, each exactly one page long.
 pub trait PageSink {
-    fn page_mut(&mut self, index: usize) -> Option<&mut [u8]>;
+    /// Pages `first .. first + count`, as disjoint slices, or `None` if out of range.
+    fn pages_mut(&mut self, first: usize, count: usize) -> Option<Vec<&mut [u8]>>;
 }
 
 impl PageSink for crate::pool::WriteGrant {
-    fn page_mut(&mut self, index: usize) -> Option<&mut [u8]> {
-        crate::pool::WriteGrant::page_mut(self, index).ok()
+    fn pages_mut(&mut self, first: usize, count: usize) -> Option<Vec<&mut [u8]>> {
+        let all = crate::pool::WriteGrant::pages_mut(self).ok()?;
+        let end = first.checked_add(count).filter(|&e| e <= all.len())?;
+        Some(all.into_iter().skip(first).take(end - first).collect())
     }
 }
 
 impl PageSink for Vec<Vec<u8>> {
-    fn page_mut(&mut self, index: usize) -> Option<&mut [u8]> {
-        self.get_mut(index).map(Vec::as_mut_slice)
+    fn pages_mut(&mut self, first: usize, count: usize) -> Option<Vec<&mut [u8]>> {
+        let end = first.checked_add(count)?;
+        self.get_mut(first..end)
+            .map(|pages| pages.iter_mut().map(Vec::as_mut_slice).collect())
     }
 }
 
-/// The page server's answer header for the `index`-th page of a request, `len` bytes.
+/// Most page bytes the page server sends after one `PageData` (a larger page goes alone).
+pub const PAGE_BATCH_BYTES: u64 = 1 << 20;
+
+/// The page server's answer header for pages `index ..` of a request, `len` bytes of whole
+/// pages.
 pub fn page_header(owner: Owner, index: u32, len: u32) -> Result<Vec<u8>, TcpError> {
     Message::from(PageData { owner, index, len })
         .encode(owner.request)
@@ -313,6 +364,28 @@ mod tests {
     }
 
     #[test]
+    fn vectored_writes_keep_every_byte_in_order_across_partial_writes() {
+        let (c, s) = pair();
+        // Larger than the socket buffers: the writes come back partial and resume mid-slice.
+        let bufs: Vec<Vec<u8>> = (0..5u8)
+            .map(|i| {
+                (0..(3 << 20) + usize::from(i))
+                    .map(|j| u8::try_from(j % 251).unwrap() ^ i)
+                    .collect()
+            })
+            .collect();
+        let want: Vec<u8> = bufs.concat();
+        let reader = std::thread::spawn(move || {
+            let mut got = vec![0u8; want.len()];
+            read_full(&c, &mut got, "reading", &mut || true).unwrap();
+            assert!(got == want, "bytes out of order or lost");
+        });
+        let slices: Vec<&[u8]> = bufs.iter().map(Vec::as_slice).collect();
+        write_full(&s, &slices, &mut || true).unwrap();
+        reader.join().unwrap();
+    }
+
+    #[test]
     fn fetch_checks_every_page_header_before_reading() {
         let page = 64u32;
         let cases: Vec<(Vec<u8>, &str)> = vec![
@@ -320,12 +393,14 @@ mod tests {
             (page_header(owner(1), 1, page).unwrap(), "index"),
             (page_header(owner(1), 0, page + 1).unwrap(), "len"),
             (page_header(owner(1), 0, u32::MAX).unwrap(), "huge len"),
+            (page_header(owner(1), 0, 2 * page).unwrap(), "past the end"),
+            (page_header(owner(1), 0, 0).unwrap(), "no page"),
         ];
         for (header, what) in cases {
             let (c, s) = pair();
             let mut w = &s;
             w.write_all(&header).unwrap();
-            w.write_all(&vec![0u8; page as usize + 1]).unwrap();
+            w.write_all(&vec![0xaa; 2 * page as usize + 1]).unwrap();
             let mut buf = vec![vec![0u8; page as usize]];
             let r = fetch_pages(
                 &c,
@@ -338,6 +413,46 @@ mod tests {
             );
             assert!(matches!(r, Err(TcpError::BadPage { .. })), "{what}: {r:?}");
             assert!(buf[0].iter().all(|&b| b == 0), "{what}: bytes were read");
+        }
+    }
+
+    #[test]
+    fn batches_of_whole_pages_land_in_order() {
+        let page = 64u32;
+        let (c, s) = pair();
+        let server = std::thread::spawn(move || {
+            let (_, msg) = read_frame(&s, "request", &mut || true).unwrap();
+            assert!(matches!(msg, Message::PageRequest(r) if r.pages.len() == 5));
+            // pages 0-2 in one frame, then 3-4
+            let body = |first: u8, n: u8| -> Vec<u8> {
+                (first..first + n)
+                    .flat_map(|p| vec![p + 1; page as usize])
+                    .collect()
+            };
+            let first = page_header(owner(1), 0, 3 * page).unwrap();
+            let second = page_header(owner(1), 3, 2 * page).unwrap();
+            write_full(
+                &s,
+                &[&first, &body(0, 3), &second, &body(3, 2)],
+                &mut || true,
+            )
+            .unwrap();
+        });
+        let mut buf = vec![vec![0u8; page as usize]; 5];
+        let ids: Vec<PageId> = (0..5).map(PageId).collect();
+        fetch_pages(
+            &c,
+            [0; TOKEN_BYTES],
+            owner(1),
+            &ids,
+            page,
+            &mut buf,
+            &mut || true,
+        )
+        .unwrap();
+        server.join().unwrap();
+        for (i, p) in buf.iter().enumerate() {
+            assert!(p.iter().all(|&b| usize::from(b) == i + 1), "page {i}");
         }
     }
 

@@ -409,31 +409,46 @@ fn send_pages(
 ) -> Result<(), Option<Refusal>> {
     let deadline = Instant::now() + shared.limits.transfer;
     let mut sending = || !shared.stop.load(Ordering::SeqCst) && Instant::now() < deadline;
-    for (i, &page) in pages.iter().enumerate() {
+    let page_bytes = served.res.pool().page_bytes().max(1);
+    // Whole pages per frame, up to a batch: one header and one vectored write per batch.
+    let per_batch = usize::try_from(tcp::PAGE_BATCH_BYTES)
+        .unwrap_or(usize::MAX)
+        .checked_div(page_bytes)
+        .unwrap_or(1)
+        .max(1);
+    for (b, batch) in pages.chunks(per_batch).enumerate() {
         if !shared.held.still_holds(&owner, served) {
             let reason = format!("{owner} was released during the transfer");
             return Err(Some(refusal(ErrorCode::WorkerLost, reason)));
         }
-        let bytes = served.res.read_page(page).map_err(|e| {
-            Some(refusal(
-                ErrorCode::Internal,
-                format!("reading {page} of {owner}: {e}"),
-            ))
-        })?;
+        let mut bufs: Vec<&[u8]> = Vec::with_capacity(batch.len() + 1);
+        for &page in batch {
+            bufs.push(served.res.read_page(page).map_err(|e| {
+                Some(refusal(
+                    ErrorCode::Internal,
+                    format!("reading {page} of {owner}: {e}"),
+                ))
+            })?);
+        }
+        let bytes = batch.len() * page_bytes;
         let (index, len) = (
-            u32::try_from(i).unwrap_or(u32::MAX),
-            u32::try_from(bytes.len()).unwrap_or(u32::MAX),
+            u32::try_from(b * per_batch).unwrap_or(u32::MAX),
+            u32::try_from(bytes).unwrap_or(u32::MAX),
         );
         let header = tcp::page_header(owner, index, len).map_err(|_| None)?;
-        if let Err(e) = tcp::write_full(stream, &[&header, bytes], &mut sending) {
-            debug!("page server: sending {page} of {owner}: {e}");
+        bufs.insert(0, &header);
+        if let Err(e) = tcp::write_full(stream, &bufs, &mut sending) {
+            debug!("page server: sending pages of {owner}: {e}");
             return Err(None);
         }
-        shared.counters.pages_served.fetch_add(1, Ordering::Relaxed);
+        shared
+            .counters
+            .pages_served
+            .fetch_add(batch.len() as u64, Ordering::Relaxed);
         shared
             .counters
             .bytes_served
-            .fetch_add(u64::from(len), Ordering::Relaxed);
+            .fetch_add(bytes as u64, Ordering::Relaxed);
     }
     Ok(())
 }
