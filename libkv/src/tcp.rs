@@ -95,30 +95,12 @@ pub fn prepare(stream: &TcpStream) -> Result<(), TcpError> {
 /// Fills `buf` from `stream`, calling `keep_going` whenever a read slice times out.
 /// `during` names the read in errors.
 pub fn read_full(
-    mut stream: &TcpStream,
+    stream: &TcpStream,
     buf: &mut [u8],
     during: &'static str,
     keep_going: &mut dyn FnMut() -> bool,
 ) -> Result<(), TcpError> {
-    let mut at = 0;
-    while at < buf.len() {
-        match stream.read(&mut buf[at..]) {
-            Ok(0) => return Err(TcpError::Closed { during }),
-            Ok(n) => at += n,
-            Err(e) if is_timeout(&e) => {
-                if !keep_going() {
-                    return Err(TcpError::Stopped);
-                }
-            }
-            Err(e) => {
-                return Err(TcpError::Io {
-                    op: during,
-                    source: e,
-                });
-            }
-        }
-    }
-    Ok(())
+    read_full_vectored(stream, &mut [buf], during, keep_going)
 }
 
 /// Writes all of `bufs` in order with vectored writes (a page's header and its bytes leave

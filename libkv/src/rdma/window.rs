@@ -288,8 +288,19 @@ impl RdmaQp {
         let wr = self.wr_id();
         // SAFETY: `src` is borrowed until the completion below, and lies inside `src_mr`
         // (checked above), which the caller keeps registered for the borrow.
-        unsafe { sys::post_write(&self.qp, wr, src_mr.lkey(), laddr, len, rkey, raddr) }
-            .map_err(verb("ibv_wr_rdma_write"))?;
+        unsafe {
+            sys::post_rdma(
+                &self.qp,
+                wr,
+                sys::RdmaOp::Write,
+                src_mr.lkey(),
+                laddr,
+                len,
+                rkey,
+                raddr,
+            )
+        }
+        .map_err(verb("ibv_wr_rdma_write"))?;
         self.wait(wr)
     }
 }
@@ -360,8 +371,18 @@ impl RdmaQp {
                 // SAFETY: `[laddr, laddr + len)` lies inside `mr` (checked above) and is
                 // made of the `dst` slices, mutably borrowed by `pages` for this call; on
                 // any early return the QP is failed, drained and destroyed first.
-                let post =
-                    unsafe { sys::post_read(&self.qp, wr, mr.lkey(), laddr, len32, rkey, raddr) };
+                let post = unsafe {
+                    sys::post_rdma(
+                        &self.qp,
+                        wr,
+                        sys::RdmaOp::Read,
+                        mr.lkey(),
+                        laddr,
+                        len32,
+                        rkey,
+                        raddr,
+                    )
+                };
                 if let Err(e) = post {
                     break 'reading Err(verb("ibv_wr_rdma_read")(e));
                 }

@@ -136,53 +136,41 @@ pub fn post_local_inv(qp: &ExtendedQueuePair, wr_id: u64, rkey: u32) -> io::Resu
     unsafe { post_one(qp, wr_id, |q| ibv_wr_local_inv(q, rkey)) }
 }
 
-/// Posts a signaled RDMA WRITE of `[laddr, laddr + len)` (registered under `lkey`) to
-/// `raddr` under `rkey`. The QP must have the Write send op.
-///
-/// # Safety
-///
-/// `[laddr, laddr + len)` must stay valid and registered under `lkey` until the write
-/// completes.
-pub unsafe fn post_write(
-    qp: &ExtendedQueuePair,
-    wr_id: u64,
-    lkey: u32,
-    laddr: u64,
-    len: u32,
-    rkey: u32,
-    raddr: u64,
-) -> io::Result<()> {
-    // SAFETY: the QP was created with IBV_QP_EX_WITH_RDMA_WRITE; the local buffer's
-    // validity is the caller's contract.
-    unsafe {
-        post_one(qp, wr_id, |q| {
-            ibv_wr_rdma_write(q, rkey, raddr);
-            ibv_wr_set_sge(q, lkey, laddr, len);
-        })
-    }
+/// Which way an RDMA transfer goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RdmaOp {
+    /// Local bytes to the peer (the QP must have the Write send op).
+    Write,
+    /// Peer bytes to local memory (the QP must have the Read send op).
+    Read,
 }
 
-/// Posts a signaled RDMA READ of `len` bytes at `raddr` under `rkey` into
-/// `[laddr, laddr + len)` (registered under `lkey`). The QP must have the Read send op.
+/// Posts a signaled RDMA WRITE or READ between `[laddr, laddr + len)` (registered under
+/// `lkey`) and `raddr` on the peer under `rkey`.
 ///
 /// # Safety
 ///
-/// `[laddr, laddr + len)` must stay valid, registered under `lkey` and unread by anyone else
-/// until the read completes or the QP is destroyed.
-pub unsafe fn post_read(
+/// `[laddr, laddr + len)` must stay valid and registered under `lkey` until the request
+/// completes or the QP is destroyed; for a READ, nothing else may use those bytes until then.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn post_rdma(
     qp: &ExtendedQueuePair,
     wr_id: u64,
+    op: RdmaOp,
     lkey: u32,
     laddr: u64,
     len: u32,
     rkey: u32,
     raddr: u64,
 ) -> io::Result<()> {
-    // SAFETY: the QP was created with IBV_QP_EX_WITH_RDMA_READ; the local buffer's validity
-    // is the caller's contract.
+    // SAFETY: the QP was created with IBV_QP_EX_WITH_RDMA_WRITE and _READ (RdmaQp does so);
+    // the local buffer's validity is the caller's contract.
     unsafe {
         post_one(qp, wr_id, |q| {
-            ibv_wr_rdma_read(q, rkey, raddr);
+            match op {
+                RdmaOp::Write => ibv_wr_rdma_write(q, rkey, raddr),
+                RdmaOp::Read => ibv_wr_rdma_read(q, rkey, raddr),
+            }
             ibv_wr_set_sge(q, lkey, laddr, len);
         })
     }
