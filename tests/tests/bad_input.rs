@@ -16,7 +16,8 @@
 #![allow(clippy::cast_possible_truncation)]
 
 use kvctld::client::{Client, GenerateOutcome};
-use kvctld::stack::{Daemon, Stack, StackOptions, default_bin_dir, error_chain, wait_until};
+use kvctld::stack::{Daemon, Stack, StackOptions, error_chain, wait_until};
+use kvfence_tests::{LogsOnPanic, bin_dir};
 use libkv::config::Config;
 use libkv::model::{ReferenceModel, monolithic, tokenize};
 use libkv::proto::{
@@ -34,7 +35,6 @@ use std::net::Shutdown;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -52,37 +52,6 @@ const MAX_RSS_GROWTH_KIB: u64 = 64 * 1024;
 const TEST_BOUND: Duration = Duration::from_secs(90);
 /// Name of the memfds attached to hostile frames, to find them among kvctld's descriptors.
 const HOSTILE_MEMFD: &std::ffi::CStr = c"kvfence-hostile";
-
-/// The binaries the test spawns; fails with the command that builds them.
-fn bin_dir() -> PathBuf {
-    let dir = default_bin_dir().expect("locating the target directory");
-    for d in Daemon::ALL {
-        assert!(
-            dir.join(d.binary()).is_file(),
-            "{} is missing: run `cargo build --release --bins` (or `cargo build --bins`) first",
-            dir.join(d.binary()).display()
-        );
-    }
-    dir
-}
-
-/// Prints the end of every daemon log if the test panics.
-struct LogsOnPanic(PathBuf);
-
-impl Drop for LogsOnPanic {
-    fn drop(&mut self) {
-        if !thread::panicking() {
-            return;
-        }
-        for d in Daemon::ALL {
-            let path = self.0.join(format!("{}.log", d.binary()));
-            let text = std::fs::read_to_string(&path).unwrap_or_default();
-            let lines: Vec<&str> = text.lines().collect();
-            let tail = lines[lines.len().saturating_sub(30)..].join("\n");
-            eprintln!("---- {} (last 30 lines) ----\n{tail}", path.display());
-        }
-    }
-}
 
 fn counter(status: &StatusReply, name: &str) -> u64 {
     status

@@ -20,12 +20,13 @@
 #![allow(clippy::cast_possible_truncation)]
 
 use kvctld::client::{Client, ClientError};
-use kvctld::stack::{Daemon, Stack, StackOptions, default_bin_dir, error_chain, wait_until};
+use kvctld::stack::{Daemon, Stack, StackOptions, error_chain, wait_until};
+use kvfence_tests::{LogsOnPanic, bin_dir};
 use libkv::config::{Config, PoisonMode};
 use libkv::model::{ReferenceModel, detokenize, monolithic, tokenize};
 use libkv::proto::{ErrorCode, Role, StatusReply};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
@@ -102,37 +103,6 @@ enum Phase {
     Early,
     /// Tens of ms in: during decode.
     Late,
-}
-
-/// The binaries the test spawns; fails with the command that builds them.
-fn bin_dir() -> PathBuf {
-    let dir = default_bin_dir().expect("locating the target directory");
-    for d in Daemon::ALL {
-        assert!(
-            dir.join(d.binary()).is_file(),
-            "{} is missing: run `cargo build --release --bins` (or `cargo build --bins`) first",
-            dir.join(d.binary()).display()
-        );
-    }
-    dir
-}
-
-/// Prints the end of every daemon log if the test panics.
-struct LogsOnPanic(PathBuf);
-
-impl Drop for LogsOnPanic {
-    fn drop(&mut self) {
-        if !thread::panicking() {
-            return;
-        }
-        for d in Daemon::ALL {
-            let path = self.0.join(format!("{}.log", d.binary()));
-            let text = std::fs::read_to_string(&path).unwrap_or_default();
-            let lines: Vec<&str> = text.lines().collect();
-            let tail = lines[lines.len().saturating_sub(40)..].join("\n");
-            eprintln!("---- {} (last 40 lines) ----\n{tail}", path.display());
-        }
-    }
 }
 
 fn counter(status: &StatusReply, name: &str) -> Option<u64> {

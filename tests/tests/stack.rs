@@ -7,14 +7,15 @@
 //! wait is bounded, and the daemons are killed when a test ends, passing or not.
 
 use kvctld::client::{Client, ClientError, GenerateOutcome, REPLY_SLACK, exit};
-use kvctld::stack::{Daemon, Stack, StackOptions, default_bin_dir, error_chain, wait_until};
+use kvctld::stack::{Daemon, Stack, StackOptions, error_chain, wait_until};
+use kvfence_tests::{LogsOnPanic, bin_dir};
 use libkv::config::{Config, Transfer, TransportKind};
 use libkv::model::{Output, ReferenceModel, monolithic, tokenize};
 use libkv::proto::{ErrorCode, Role, StatusReply, Transport};
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread;
@@ -22,39 +23,6 @@ use std::time::{Duration, Instant};
 
 /// Longest any test here may take, start to finish.
 const TEST_BOUND: Duration = Duration::from_secs(90);
-
-/// The binaries the tests spawn; fails with the command that builds them.
-fn bin_dir() -> PathBuf {
-    let dir = default_bin_dir().expect("locating the target directory");
-    for name in ["kvctld", "prefilld", "decoded", "kvctl"] {
-        assert!(
-            dir.join(name).is_file(),
-            "{} is missing: these tests spawn the real daemons; run `cargo build --bins` \
-             (`cargo build --release --bins` for `cargo test --release`) first",
-            dir.join(name).display()
-        );
-    }
-    dir
-}
-
-/// Prints the end of every daemon log if the test panics, so a failure shows what the
-/// daemons saw.
-struct LogsOnPanic(PathBuf);
-
-impl Drop for LogsOnPanic {
-    fn drop(&mut self) {
-        if !thread::panicking() {
-            return;
-        }
-        for d in Daemon::ALL {
-            let path = self.0.join(format!("{}.log", d.binary()));
-            let text = std::fs::read_to_string(&path).unwrap_or_default();
-            let lines: Vec<&str> = text.lines().collect();
-            let tail = lines[lines.len().saturating_sub(30)..].join("\n");
-            eprintln!("---- {} (last 30 lines) ----\n{tail}", path.display());
-        }
-    }
-}
 
 /// A stack on the embedded default config, changed by `tweak`, in a fresh directory under
 /// /tmp (the socket path must stay short).
