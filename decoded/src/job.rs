@@ -306,10 +306,9 @@ impl PageSource for RdmaSource {
             }
             Err(e) => return Err(self.lost(e)),
         };
-        let mut dst = grant
-            .pages_mut()
+        let dst = grant
+            .pages_mut(0..manifest.pages.len())
             .map_err(|e| Some((ErrorCode::Internal, e.to_string())))?;
-        dst.truncate(manifest.pages.len());
         let (session, _stats) = match session.read(&windows, dst, keep_going) {
             Ok(done) => done,
             Err(libkv::rdma::RdmaError::Stopped) => return Err(None),

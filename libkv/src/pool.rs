@@ -593,11 +593,19 @@ impl WriteGrant {
         Ok(unsafe { std::slice::from_raw_parts_mut(ptr, self.pool.inner.page_bytes) })
     }
 
-    /// The bytes of every page of the grant at once, in grant order, for a transfer that
-    /// fills them together (RDMA reads with many in flight).
-    pub fn pages_mut(&mut self) -> Result<Vec<&mut [u8]>, PoolError> {
-        let mut out = Vec::with_capacity(self.pages.len());
-        for &page in &self.pages {
+    /// The bytes of grant pages `range` at once, in grant order, for a transfer that fills
+    /// them together (a vectored read, RDMA reads with many in flight). Refused when the
+    /// range is not inside the grant.
+    pub fn pages_mut(
+        &mut self,
+        range: std::ops::Range<usize>,
+    ) -> Result<Vec<&mut [u8]>, PoolError> {
+        let pages = self.pages.get(range.clone()).ok_or(PoolError::OutOfGrant {
+            index: range.end,
+            pages: self.pages.len(),
+        })?;
+        let mut out = Vec::with_capacity(pages.len());
+        for &page in pages {
             let ptr = self.pool.inner.page_ptr(page)?;
             // SAFETY: as in `page_mut`; the pages of a grant are distinct (a reservation
             // never holds a page twice), so the slices do not overlap, and `&mut self`
@@ -625,5 +633,49 @@ impl Drop for WriteGrant {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Dtype, Generation, RequestId};
+
+    #[test]
+    fn a_range_of_grant_pages_is_exactly_those_pages() {
+        let geometry = PageGeometry {
+            tokens_per_page: 4,
+            layers: 1,
+            kv_heads: 1,
+            head_dim: 8,
+            dtype: Dtype::Bf16,
+        };
+        let pool = PagePool::host(c"kvtest-range", geometry, 8, PoolOptions::default()).unwrap();
+        let owner = Owner {
+            request: RequestId(1),
+            generation: Generation(1),
+        };
+        let mut res = pool.reserve(owner, 16, 4).unwrap();
+        let mut grant = res.grant_write().unwrap();
+        let n = grant.pages().len();
+        for i in 0..n {
+            grant.page_mut(i).unwrap().fill(0xaa);
+        }
+        for (i, page) in grant.pages_mut(1..3).unwrap().into_iter().enumerate() {
+            page.fill(u8::try_from(i).unwrap() + 1);
+        }
+        for i in 0..n {
+            let want = match i {
+                1 => 1,
+                2 => 2,
+                _ => 0xaa,
+            };
+            assert!(
+                grant.page_mut(i).unwrap().iter().all(|&b| b == want),
+                "page {i}"
+            );
+        }
+        assert!(grant.pages_mut(n - 1..n + 1).is_err());
+        assert_eq!(grant.pages_mut(0..n).unwrap().len(), n);
     }
 }

@@ -286,9 +286,8 @@ pub trait PageSink {
 
 impl PageSink for crate::pool::WriteGrant {
     fn pages_mut(&mut self, first: usize, count: usize) -> Option<Vec<&mut [u8]>> {
-        let all = crate::pool::WriteGrant::pages_mut(self).ok()?;
-        let end = first.checked_add(count).filter(|&e| e <= all.len())?;
-        Some(all.into_iter().skip(first).take(end - first).collect())
+        let end = first.checked_add(count)?;
+        crate::pool::WriteGrant::pages_mut(self, first..end).ok()
     }
 }
 
