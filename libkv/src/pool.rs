@@ -472,25 +472,43 @@ impl Reservation {
     /// The bytes of `page`, for sending it to the peer that pulls it (a prefill page server).
     /// Refused unless `page` is one of this reservation's pages and no writer can touch it.
     pub fn read_page(&self, page: PageId) -> Result<&[u8], PoolError> {
-        let Some(index) = self.pages.iter().position(|&p| p == page) else {
-            return Err(PoolError::NotOwned { page });
-        };
+        let mut one = self.read_pages(&[page])?;
+        one.pop().ok_or(PoolError::NotOwned { page })
+    }
+
+    /// The bytes of each of `pages`, in order, checked under one lock: each must be one of
+    /// this reservation's pages, owned by it in the table, with no writer.
+    pub fn read_pages(&self, pages: &[PageId]) -> Result<Vec<&[u8]>, PoolError> {
+        let inner = &self.pool.inner;
         {
-            let t = self.pool.inner.lock();
-            let s = &t.slots[page.index()];
-            if s.owner != Some(self.owner) {
-                return Err(PoolError::NotOwned { page });
-            }
-            if s.writers > 0 {
-                return Err(PoolError::WriterActive);
+            let t = inner.lock();
+            for &page in pages {
+                let Some(s) = t
+                    .slots
+                    .get(page.index())
+                    .filter(|_| self.pages.contains(&page))
+                else {
+                    return Err(PoolError::NotOwned { page });
+                };
+                if s.owner != Some(self.owner) {
+                    return Err(PoolError::NotOwned { page });
+                }
+                if s.writers > 0 {
+                    return Err(PoolError::WriterActive);
+                }
             }
         }
-        let ptr = self.pool.inner.page_ptr(self.pages[index])?;
-        // SAFETY: the page belongs to this live reservation (checked above, and a page leaves
-        // a reservation only when it is dropped, which `&self` excludes) and no writer holds
-        // it; a new writer needs `grant_pages(&mut self)`, which the borrow of `self` for the
-        // returned slice excludes.
-        Ok(unsafe { std::slice::from_raw_parts(ptr, self.pool.inner.page_bytes) })
+        let mut out = Vec::with_capacity(pages.len());
+        for &page in pages {
+            let ptr = inner.page_ptr(page)?;
+            // SAFETY: the page belongs to this live reservation (checked above, and a page
+            // leaves a reservation only when it is dropped, which `&self` excludes) and no
+            // writer holds it; a new
+            // writer needs `grant_pages(&mut self)`, which the borrow of `self` for the
+            // returned slices excludes.
+            out.push(unsafe { std::slice::from_raw_parts(ptr, inner.page_bytes) });
+        }
+        Ok(out)
     }
 
     /// Runs `f` on the owner's view of the table, under the table lock. Only `verify.rs` uses

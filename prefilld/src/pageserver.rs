@@ -394,7 +394,8 @@ fn check(shared: &Shared, request: &proto::PageRequest) -> Result<Arc<Served>, R
             format!("no pages held for {owner}"),
         ));
     };
-    if let Some(p) = request.pages.iter().find(|p| !served.pages.contains(p)) {
+    let manifest: std::collections::HashSet<&PageId> = served.pages.iter().collect();
+    if let Some(p) = request.pages.iter().find(|p| !manifest.contains(p)) {
         return Err(refusal(
             ErrorCode::BadRequest,
             format!("{p} is not in the manifest of {owner}"),
@@ -426,22 +427,21 @@ fn send_pages(
             let reason = format!("{owner} was released during the transfer");
             return Err(Some(refusal(ErrorCode::WorkerLost, reason)));
         }
-        let mut bufs: Vec<&[u8]> = Vec::with_capacity(batch.len() + 1);
-        for &page in batch {
-            bufs.push(served.res.read_page(page).map_err(|e| {
-                Some(refusal(
-                    ErrorCode::Internal,
-                    format!("reading {page} of {owner}: {e}"),
-                ))
-            })?);
-        }
+        let pages_read = served.res.read_pages(batch).map_err(|e| {
+            Some(refusal(
+                ErrorCode::Internal,
+                format!("reading the pages of {owner}: {e}"),
+            ))
+        })?;
         let bytes = batch.len() * page_bytes;
         let (index, len) = (
             u32::try_from(b * per_batch).unwrap_or(u32::MAX),
             u32::try_from(bytes).unwrap_or(u32::MAX),
         );
         let header = tcp::page_header(owner, index, len).map_err(|_| None)?;
-        bufs.insert(0, &header);
+        let mut bufs: Vec<&[u8]> = Vec::with_capacity(batch.len() + 1);
+        bufs.push(&header);
+        bufs.extend(pages_read);
         if let Err(e) = tcp::write_full(stream, &bufs, &mut sending) {
             debug!("page server: sending pages of {owner}: {e}");
             return Err(None);
