@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Runs kvtcpbench (the TCP page path on loopback) side by side with iperf3 and Mooncake
-# Transfer Engine's own benchmark, transfer_engine_bench over its TCP transport, in
-# interleaved rounds, and prints the figures and ratios. Everything stays on 127.0.0.1.
+# Runs kvtcpbench (the TCP page path on loopback: pull, land with the digest fused, verify)
+# side by side with iperf3 (one stream and as many streams as page path connections) and
+# Mooncake Transfer Engine's own benchmark, transfer_engine_bench over its TCP transport, in
+# interleaved rounds, and prints the figures, the ratios and where each one's CPU time went.
+# Everything stays on 127.0.0.1.
 #
 #   1. Creates the .peers virtual environment with the Mooncake wheel (it ships
 #      transfer_engine_bench) unless it is there already.
@@ -18,8 +20,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 budget=${BENCH_BUDGET:-290}
-# A default run: 3 rounds of iperf3 and 4 cases of the page path and Mooncake (write, read).
-run_needs=150
+# A default run: 3 rounds of iperf3 (-P 1, -P 2) and 4 cases of the page path (1 and 2
+# connections) and Mooncake (write, read): about a minute a round.
+run_needs=200
 mooncake_pkg=mooncake-transfer-engine-non-cuda==0.3.13.post1
 
 left() {

@@ -2,21 +2,25 @@
 //! demo and the integration tests.
 //!
 //! A [`Client`] says `Hello { role: Client }` and waits for `HelloAck`, then runs one
-//! operation at a time: [`Client::status`] (`StatusQuery` / `StatusReply`) or
-//! [`Client::generate`] (`Submit`, then `Tokens`* and `Done`, or `Error`). Every read has a
-//! deadline, so a client never hangs on a daemon that stopped answering: the handshake and
-//! status wait for the timeout given to [`Client::connect`]; a request waits for its own
-//! deadline plus [`REPLY_SLACK`].
+//! operation at a time: [`Client::status`] (`StatusQuery` / `StatusReply`: every worker of
+//! kvctld with its pool, drain state and requests in flight), [`Client::drain`] (`Drain` /
+//! `DrainReply`: keep new requests off one worker, or take it back) or [`Client::generate`]
+//! (`Submit`, then `Tokens`* and `Done`, which names the prefill and decode worker that
+//! served the request, or `Error`). Every read has a deadline, so a client never hangs on a
+//! daemon that stopped answering: the handshake, status and drain wait for the timeout given
+//! to [`Client::connect`]; a request waits for its own deadline plus [`REPLY_SLACK`].
 //!
 //! Every failure is a [`ClientError`], whose [`ClientError::exit_code`] is the exit status
 //! `kvctl` returns (see [`exit`]).
 
 use libkv::config::Deadlines;
 use libkv::proto::{
-    Done, ErrorCode, Hello, Message, MsgType, ProtoError, Role, StatusQuery, StatusReply, Submit,
+    Done, Drain, ErrorCode, Hello, Message, MsgType, ProtoError, Role, StatusQuery, StatusReply,
+    Submit, WorkerStatus,
 };
 use libkv::sys::uds::{FrameReader, UdsError, send_frame};
 use libkv::{Generation, RequestId};
+use std::fmt;
 use std::io;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -135,9 +139,10 @@ impl ClientError {
                 ErrorCode::PoolFull | ErrorCode::Timeout | ErrorCode::ShuttingDown => {
                     exit::UNAVAILABLE
                 }
-                ErrorCode::VerifyFailed | ErrorCode::WorkerLost | ErrorCode::Internal => {
-                    exit::FAILED
-                }
+                ErrorCode::VerifyFailed
+                | ErrorCode::WorkerLost
+                | ErrorCode::Internal
+                | ErrorCode::Misconfigured => exit::FAILED,
                 ErrorCode::BadRequest => exit::USAGE,
                 ErrorCode::Unauthorized => exit::CONNECT,
             },
@@ -157,6 +162,39 @@ impl ClientError {
     }
 }
 
+/// The prefill and decode worker that served a request, by id (from `Done`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServingPair {
+    /// The prefill worker's id; empty if kvctld did not name it.
+    pub prefill: String,
+    /// The decode worker's id; empty if kvctld did not name it.
+    pub decode: String,
+}
+
+impl ServingPair {
+    /// The pair `Done` names.
+    pub fn from_done(done: &Done) -> ServingPair {
+        ServingPair {
+            prefill: done.prefill_worker.clone(),
+            decode: done.decode_worker.clone(),
+        }
+    }
+}
+
+/// `prefill-0 -> decode-1`, with `?` for a worker kvctld did not name.
+impl fmt::Display for ServingPair {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = |id: &str| {
+            if id.is_empty() {
+                "?".to_owned()
+            } else {
+                id.to_owned()
+            }
+        };
+        write!(f, "{} -> {}", name(&self.prefill), name(&self.decode))
+    }
+}
+
 /// A finished request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GenerateOutcome {
@@ -164,6 +202,9 @@ pub struct GenerateOutcome {
     pub request: RequestId,
     /// Every generated token, in order.
     pub tokens: Vec<u32>,
+    /// The workers that served it (the same ids as `done.prefill_worker` and
+    /// `done.decode_worker`).
+    pub pair: ServingPair,
     /// kvctld's `Done`: signature and transfer figures.
     pub done: Done,
 }
@@ -187,7 +228,7 @@ impl Client {
             path: socket.to_path_buf(),
             source,
         };
-        let stream = UnixStream::connect(socket).map_err(connect_err)?;
+        let stream = connect_within(socket, timeout).map_err(connect_err)?;
         // Bounds a send to a kvctld that stopped reading.
         stream
             .set_write_timeout(Some(timeout.max(Duration::from_millis(1))))
@@ -268,9 +309,52 @@ impl Client {
         result
     }
 
+    /// Keeps new requests off the worker `worker` (`drain` true) or lets them reach it again
+    /// (false), and returns the worker's status as kvctld holds it after the change (a
+    /// worker that is stopping stays drained after an undrain). Requests in flight on it finish; [`WorkerStatus::idle`] tells when none is left. An
+    /// id that is not 1 to 64 bytes of `[A-Za-z0-9_.@:-]` is refused before sending
+    /// ([`ClientError::InvalidRequest`]); one kvctld does not know comes back as its
+    /// `Error` ([`ClientError::Server`]).
+    pub fn drain(&mut self, worker: &str, drain: bool) -> Result<WorkerStatus, ClientError> {
+        self.check_usable()?;
+        let msg = Message::from(Drain {
+            worker: worker.to_owned(),
+            drain,
+        });
+        msg.validate().map_err(ClientError::InvalidRequest)?;
+        self.send(&msg)?;
+        let deadline = Instant::now() + self.timeout;
+        let result = match self.read_until(deadline, "waiting for DrainReply")? {
+            (_, Message::DrainReply(reply)) if reply.worker.id != worker => {
+                Err(ClientError::BadReply {
+                    reason: format!(
+                        "DrainReply for worker {:?} to a Drain of {worker:?}",
+                        reply.worker.id
+                    ),
+                })
+            }
+            (_, Message::DrainReply(reply)) => Ok(reply.worker),
+            (_, Message::Error(e)) => Err(ClientError::Server {
+                code: e.code,
+                message: e.message,
+            }),
+            (_, other) => Err(ClientError::Unexpected {
+                got: other.msg_type(),
+                expected: "DrainReply",
+            }),
+        };
+        if matches!(
+            result,
+            Err(ClientError::Unexpected { .. } | ClientError::BadReply { .. })
+        ) {
+            self.broken = true;
+        }
+        result
+    }
+
     /// Runs one request: submits `prompt` (bytes are tokens) for `tenant`, calls `on_tokens`
-    /// with every batch of tokens as it arrives, and returns the whole output once `Done`
-    /// arrives. `deadline_ms` 0 takes kvctld's default deadline. An `Error` frame becomes
+    /// with every batch of tokens as it arrives, and returns the whole output and the workers
+    /// that served it once `Done` arrives. `deadline_ms` 0 takes kvctld's default deadline. An `Error` frame becomes
     /// [`ClientError::Server`]; no reply within the deadline plus [`REPLY_SLACK`] becomes
     /// [`ClientError::TimedOut`].
     pub fn generate(
@@ -349,6 +433,7 @@ impl Client {
                     return Ok(GenerateOutcome {
                         request,
                         tokens,
+                        pair: ServingPair::from_done(&done),
                         done,
                     });
                 }
@@ -432,10 +517,49 @@ fn check_request_id(
     }
 }
 
+/// Connects to the Unix socket at `path` without waiting on a full backlog for ever: a
+/// kvctld that does not accept leaves the connect answering `EAGAIN`, retried every 10 ms
+/// until `timeout` passes. The stream returned is blocking.
+pub fn connect_within(path: &Path, timeout: Duration) -> io::Result<UnixStream> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
+    use std::os::fd::AsRawFd;
+    let addr = UnixAddr::new(path)?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        let fd = socket(
+            AddressFamily::Unix,
+            SockType::Stream,
+            SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+            None,
+        )?;
+        match connect(fd.as_raw_fd(), &addr) {
+            Ok(()) => {
+                let stream = UnixStream::from(fd);
+                stream.set_nonblocking(false)?;
+                return Ok(stream);
+            }
+            Err(nix::errno::Errno::EAGAIN) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(nix::errno::Errno::EAGAIN) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "its backlog stayed full for {} ms: kvctld is not accepting connections",
+                        timeout.as_millis()
+                    ),
+                ));
+            }
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use libkv::proto::{Error, HelloAck, Tokens};
+    use libkv::proto::{DrainReply, Error, HelloAck, Tokens, Transport};
     use libkv::sys::uds::read_frame_timeout;
     use std::os::unix::net::UnixListener;
     use std::thread;
@@ -476,6 +600,29 @@ mod tests {
             pages_transferred: 1,
             bytes_transferred: 4096,
             elapsed_us: 10,
+            prefill_worker: "prefill-1".into(),
+            decode_worker: "gpu@host:3".into(),
+        }
+    }
+
+    fn worker(id: &str, drain: bool, in_flight: u32) -> WorkerStatus {
+        WorkerStatus {
+            id: id.into(),
+            role: Role::Decode,
+            connected: true,
+            drain,
+            in_flight,
+            held_pages: 2 * in_flight,
+            transports: vec![Transport::Shm],
+            served: 4,
+            counters: vec![("pulls".into(), 4)],
+            pool_pages: 64,
+            tokens_per_page: 16,
+            free: 64 - 2 * in_flight,
+            reserved: 2 * in_flight,
+            writing: 0,
+            readable: 0,
+            draining: 0,
         }
     }
 
@@ -502,6 +649,14 @@ mod tests {
         assert_eq!(out.request, RequestId(7));
         assert_eq!(out.tokens, vec![104, 105, 33]);
         assert_eq!(out.done, done(3));
+        assert_eq!(
+            out.pair,
+            ServingPair {
+                prefill: "prefill-1".into(),
+                decode: "gpu@host:3".into(),
+            }
+        );
+        assert_eq!(out.pair.to_string(), "prefill-1 -> gpu@host:3");
         assert_eq!(batches, vec![vec![104, 105], vec![33]]);
         server.join().unwrap();
     }
@@ -642,6 +797,187 @@ mod tests {
             assert!(matches!(err, ClientError::InvalidRequest(_)), "{err:?}");
             assert_eq!(err.exit_code(), exit::USAGE);
         }
+        server.join().unwrap();
+    }
+
+    #[test]
+    fn pair_kvctld_did_not_name_shows_as_question_marks() {
+        let (_dir, path, server) = fake_server(|s| {
+            read_frame_timeout(s, Duration::from_secs(5)).unwrap();
+            reply(
+                s,
+                5,
+                Tokens {
+                    first_index: 0,
+                    tokens: vec![1],
+                },
+            );
+            reply(
+                s,
+                5,
+                Done {
+                    prefill_worker: String::new(),
+                    decode_worker: String::new(),
+                    ..done(1)
+                },
+            );
+        });
+        let mut c = Client::connect(&path, Duration::from_secs(5)).unwrap();
+        let out = c.generate("acme", b"x", 1, 1000, |_| {}).unwrap();
+        assert_eq!(out.pair, ServingPair::default());
+        assert_eq!(out.pair.to_string(), "? -> ?");
+        server.join().unwrap();
+    }
+
+    #[test]
+    fn drain_and_undrain_return_the_worker() {
+        let (_dir, path, server) = fake_server(|s| {
+            for (drain, in_flight) in [(true, 2), (false, 0)] {
+                let (h, msg, _) = read_frame_timeout(s, Duration::from_secs(5)).unwrap();
+                assert_eq!(h.request_id, RequestId(0));
+                match msg {
+                    Message::Drain(d) => {
+                        assert_eq!(d.worker, "decode-1");
+                        assert_eq!(d.drain, drain);
+                    }
+                    other => panic!("expected Drain, got {other:?}"),
+                }
+                reply(
+                    s,
+                    0,
+                    DrainReply {
+                        worker: worker("decode-1", drain, in_flight),
+                    },
+                );
+            }
+            // The connection stays usable for a status query.
+            read_frame_timeout(s, Duration::from_secs(5)).unwrap();
+            reply(
+                s,
+                0,
+                StatusReply {
+                    generation: Generation(9),
+                    max_context: 64,
+                    max_new_tokens: 16,
+                    workers: vec![worker("decode-1", false, 0)],
+                    counters: Vec::new(),
+                    transport: Some(Transport::Shm),
+                },
+            );
+        });
+        let mut c = Client::connect(&path, Duration::from_secs(5)).unwrap();
+        let w = c.drain("decode-1", true).unwrap();
+        assert_eq!((w.id.as_str(), w.drain, w.in_flight), ("decode-1", true, 2));
+        assert!(!w.idle());
+        let w = c.drain("decode-1", false).unwrap();
+        assert!(!w.drain && w.idle());
+        assert_eq!(
+            c.status().unwrap().workers,
+            vec![worker("decode-1", false, 0)]
+        );
+        server.join().unwrap();
+    }
+
+    #[test]
+    fn drain_of_an_unknown_worker_is_kvctlds_error() {
+        let (_dir, path, server) = fake_server(|s| {
+            read_frame_timeout(s, Duration::from_secs(5)).unwrap();
+            reply(
+                s,
+                0,
+                Error {
+                    code: ErrorCode::BadRequest,
+                    message: "no worker \"decode-9\"".into(),
+                },
+            );
+        });
+        let mut c = Client::connect(&path, Duration::from_secs(5)).unwrap();
+        let err = c.drain("decode-9", true).unwrap_err();
+        assert_eq!(err.server_code(), Some(ErrorCode::BadRequest));
+        assert!(err.to_string().contains("decode-9"), "{err}");
+        server.join().unwrap();
+    }
+
+    #[test]
+    fn drain_reply_for_another_worker_or_another_frame_is_refused() {
+        let (_dir, path, server) = fake_server(|s| {
+            read_frame_timeout(s, Duration::from_secs(5)).unwrap();
+            reply(
+                s,
+                0,
+                DrainReply {
+                    worker: worker("decode-0", true, 0),
+                },
+            );
+        });
+        let mut c = Client::connect(&path, Duration::from_secs(5)).unwrap();
+        let err = c.drain("decode-1", true).unwrap_err();
+        assert!(matches!(err, ClientError::BadReply { .. }), "{err:?}");
+        assert_eq!(err.exit_code(), exit::FAILED);
+        assert!(matches!(
+            c.drain("decode-1", true),
+            Err(ClientError::Unusable)
+        ));
+        server.join().unwrap();
+
+        let (_dir, path, server) = fake_server(|s| {
+            read_frame_timeout(s, Duration::from_secs(5)).unwrap();
+            reply(
+                s,
+                0,
+                Tokens {
+                    first_index: 0,
+                    tokens: vec![1],
+                },
+            );
+        });
+        let mut c = Client::connect(&path, Duration::from_secs(5)).unwrap();
+        let err = c.drain("decode-1", false).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ClientError::Unexpected {
+                    got: MsgType::Tokens,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        server.join().unwrap();
+    }
+
+    #[test]
+    fn drain_of_an_invalid_id_is_refused_before_sending() {
+        let (_dir, path, server) = fake_server(|_| {});
+        let mut c = Client::connect(&path, Duration::from_secs(5)).unwrap();
+        let long = "w".repeat(65);
+        for id in ["", "a b", "gpu/0", long.as_str()] {
+            let err = c.drain(id, true).unwrap_err();
+            assert!(
+                matches!(err, ClientError::InvalidRequest(_)),
+                "{id:?}: {err:?}"
+            );
+            assert_eq!(err.exit_code(), exit::USAGE);
+        }
+        // Nothing was sent, so the connection is still good.
+        assert!(c.check_usable().is_ok());
+        server.join().unwrap();
+    }
+
+    #[test]
+    fn silent_server_times_out_a_drain() {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let (_dir, path, server) = fake_server(move |s| {
+            read_frame_timeout(s, Duration::from_secs(5)).unwrap();
+            let _ = rx.recv_timeout(Duration::from_secs(10));
+        });
+        let mut c = Client::connect(&path, Duration::from_millis(200)).unwrap();
+        let start = Instant::now();
+        let err = c.drain("prefill-0", true).unwrap_err();
+        assert!(matches!(err, ClientError::TimedOut { .. }), "{err:?}");
+        assert!(start.elapsed() < Duration::from_secs(3));
+        assert_eq!(err.exit_code(), exit::UNAVAILABLE);
+        tx.send(()).unwrap();
         server.join().unwrap();
     }
 }

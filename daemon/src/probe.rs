@@ -5,7 +5,8 @@
 //! probe sends a few canary prompts of known content through kvctld, prefilld and decoded
 //! and compares every output (tokens and signature) with what the same model computes
 //! without pages or transfers. A mismatch is the alarm: kvctl exits non-zero, kvctld logs at
-//! error level and counts it.
+//! error level and counts it. Each mismatch names the prefill and decode worker that served
+//! the canary (kvctld picks the pair, so one run need not visit every worker).
 
 use crate::client::{Client, ClientError};
 use libkv::PageGeometry;
@@ -75,8 +76,9 @@ pub fn run_probe(
                 report.matched += 1;
             }
             Ok(out) => report.mismatches.push(format!(
-                "{}: got {:?} (signature {:#018x}), expected {:?} (signature {:#018x})",
+                "{} via {}: got {:?} (signature {:#018x}), expected {:?} (signature {:#018x})",
                 out.request,
+                out.pair,
                 model::detokenize(&out.tokens),
                 out.done.signature,
                 model::detokenize(&expected.tokens),

@@ -18,6 +18,7 @@ use libkv::proto::{Done, Error, ErrorCode, Message, PageRequest, PullDone, RdmaR
 use libkv::rdma::{ClientSession, RdmaNode};
 use libkv::tcp;
 use libkv::verify::Manifest;
+use libkv::worker::add;
 use log::debug;
 use mio::Waker;
 use std::fmt;
@@ -25,7 +26,7 @@ use std::io;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -56,7 +57,10 @@ pub(crate) struct Job {
 
 /// Where a job pulls prefill pages from. The job checks the manifest against the source's
 /// pool, then the source copies the pages into the job's own grant, in manifest order,
-/// calling `keep_going` between pages (and, on a network, while the peer is silent).
+/// calling `keep_going` between pages (and, on a network, while the peer is silent). Every
+/// source lands the pages through the grant's [`Landing`](libkv::pool::Landing), which
+/// digests each byte in decode's own pages as it arrives, so verification reads no page a
+/// second time.
 pub(crate) trait PageSource: Send + Sync + fmt::Debug {
     /// Pages in the prefill pool.
     fn pool_pages(&self) -> u32;
@@ -68,9 +72,15 @@ pub(crate) trait PageSource: Send + Sync + fmt::Debug {
         &self,
         manifest: &Manifest,
         grant: &mut WriteGrant,
-        keep_going: &mut dyn FnMut() -> bool,
+        keep_going: &(dyn Fn() -> bool + Sync),
     ) -> Result<(), Option<(ErrorCode, String)>>;
 }
+
+/// Threads a shared-memory pull of at least [`PARALLEL_PULL_BYTES`] is split over (the job's
+/// own thread and helpers, each taking a run of the manifest's pages).
+pub(crate) const PULL_THREADS: usize = 2;
+/// The smallest pull worth splitting: below it, starting a helper costs more than it saves.
+pub(crate) const PARALLEL_PULL_BYTES: u64 = 4 << 20;
 
 impl PageSource for ForeignPool {
     fn pool_pages(&self) -> u32 {
@@ -85,37 +95,45 @@ impl PageSource for ForeignPool {
         &self,
         manifest: &Manifest,
         grant: &mut WriteGrant,
-        keep_going: &mut dyn FnMut() -> bool,
+        keep_going: &(dyn Fn() -> bool + Sync),
     ) -> Result<(), Option<(ErrorCode, String)>> {
-        for (i, &page) in manifest.pages.iter().enumerate() {
-            if !keep_going() {
-                return Err(None);
-            }
-            let dst = grant
-                .page_mut(i)
-                .map_err(|e| Some((ErrorCode::Internal, e.to_string())))?;
-            self.copy_page(page, dst).ok_or_else(|| {
-                Some((ErrorCode::BadRequest, format!("cannot copy prefill {page}")))
-            })?;
+        let landing = grant
+            .landing(0..manifest.pages.len())
+            .map_err(|e| Some((ErrorCode::Internal, e.to_string())))?;
+        let bytes = manifest.pages.len() as u64 * ForeignPool::page_bytes(self);
+        let threads = if bytes >= PARALLEL_PULL_BYTES {
+            PULL_THREADS
+        } else {
+            1
+        };
+        match ForeignPool::pull(self, &manifest.pages, landing, threads, keep_going) {
+            Ok(()) => Ok(()),
+            Err(libkv::memory::PullError::Stopped) => Err(None),
+            Err(e) => Err(Some((
+                ErrorCode::BadRequest,
+                format!("cannot pull from the prefill pool: {e}"),
+            ))),
         }
-        Ok(())
     }
 }
 
-/// Idle connections kept per page server.
-const IDLE_CONNECTIONS: usize = 4;
+/// Idle connections kept per page server: one per job thread, the most that can be busy on
+/// one source at once, so a source never holds more than that many open connections idle.
+const IDLE_CONNECTIONS: usize = crate::JOB_THREADS;
 /// Longest a connection attempt to the page server may take.
 const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// prefilld's TCP page server. Connections are reused across requests (at most
-/// [`IDLE_CONNECTIONS`] kept idle); one that saw any error is dropped.
+/// One prefill worker's TCP page server. Connections are reused across requests (at most
+/// [`IDLE_CONNECTIONS`] kept idle, per source); one that saw any error is dropped. Dropping
+/// the source (the worker is gone or replaced, and no job still holds it) closes its idle
+/// connections.
 #[derive(Debug)]
 pub(crate) struct TcpSource {
-    pub addr: SocketAddr,
-    pub token: [u8; TOKEN_BYTES],
-    pub pool_pages: u32,
-    pub page_bytes: u64,
-    pub idle: Mutex<Vec<TcpStream>>,
+    addr: SocketAddr,
+    token: [u8; TOKEN_BYTES],
+    pool_pages: u32,
+    page_bytes: u64,
+    idle: Mutex<Vec<TcpStream>>,
 }
 
 /// A new connection to the page server at `addr`.
@@ -130,6 +148,22 @@ fn connect(addr: SocketAddr) -> Result<TcpStream, (ErrorCode, String)> {
 }
 
 impl TcpSource {
+    /// The page server at `addr` of a pool of `pool_pages` pages of `page_bytes` bytes.
+    pub(crate) fn new(
+        addr: SocketAddr,
+        token: [u8; TOKEN_BYTES],
+        pool_pages: u32,
+        page_bytes: u64,
+    ) -> TcpSource {
+        TcpSource {
+            addr,
+            token,
+            pool_pages,
+            page_bytes,
+            idle: Mutex::new(Vec::new()),
+        }
+    }
+
     fn connection(&self) -> Result<TcpStream, (ErrorCode, String)> {
         let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
         match idle {
@@ -152,7 +186,7 @@ impl PageSource for TcpSource {
         &self,
         manifest: &Manifest,
         grant: &mut WriteGrant,
-        keep_going: &mut dyn FnMut() -> bool,
+        keep_going: &(dyn Fn() -> bool + Sync),
     ) -> Result<(), Option<(ErrorCode, String)>> {
         let page_bytes = u32::try_from(self.page_bytes)
             .map_err(|_| Some((ErrorCode::Internal, "page over 4 GiB".to_owned())))?;
@@ -165,7 +199,7 @@ impl PageSource for TcpSource {
             &manifest.pages,
             page_bytes,
             grant,
-            keep_going,
+            &mut || keep_going(),
         ) {
             Ok(()) => {
                 let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
@@ -184,32 +218,50 @@ impl PageSource for TcpSource {
                 format!(
                     "pulling {owner} from {}: {}",
                     self.addr,
-                    crate::error_chain(&e)
+                    libkv::error_chain(&e)
                 ),
             ))),
         }
     }
 }
 
-/// prefilld's page server, read with RDMA: each connection carries an RDMA session (its QP
-/// pairs with one of the server's), set up once and reused across requests (at most
-/// [`IDLE_CONNECTIONS`] kept idle). For each request the server answers with windows over
-/// the manifest's pages; the job reads them straight into its own grant, says
-/// `RdmaReadDone`, and verifies as on any other transport. A connection that saw any error
-/// is dropped, its QP destroyed first.
+/// One prefill worker's page server, read with RDMA: each connection carries an RDMA
+/// session (its QP pairs with one of the server's), set up once and reused across requests
+/// (at most [`IDLE_CONNECTIONS`] kept idle, per source). For each request the server answers
+/// with windows over the manifest's pages; the job reads them straight into its own grant,
+/// says `RdmaReadDone`, and verifies as on any other transport. A connection that saw any
+/// error is dropped, its QP destroyed first. Dropping the source closes its idle sessions.
 #[derive(Debug)]
 pub(crate) struct RdmaSource {
-    pub addr: SocketAddr,
-    pub token: [u8; TOKEN_BYTES],
-    pub pool_pages: u32,
-    pub page_bytes: u64,
-    pub node: Arc<RdmaNode>,
-    pub idle: Mutex<Vec<(TcpStream, ClientSession)>>,
+    addr: SocketAddr,
+    token: [u8; TOKEN_BYTES],
+    pool_pages: u32,
+    page_bytes: u64,
+    node: Arc<RdmaNode>,
+    idle: Mutex<Vec<(TcpStream, ClientSession)>>,
 }
 
 type Failure = Option<(ErrorCode, String)>;
 
 impl RdmaSource {
+    /// The page server at `addr`, read through `node`.
+    pub(crate) fn new(
+        addr: SocketAddr,
+        token: [u8; TOKEN_BYTES],
+        pool_pages: u32,
+        page_bytes: u64,
+        node: Arc<RdmaNode>,
+    ) -> RdmaSource {
+        RdmaSource {
+            addr,
+            token,
+            pool_pages,
+            page_bytes,
+            node,
+            idle: Mutex::new(Vec::new()),
+        }
+    }
+
     fn session(
         &self,
         keep_going: &mut dyn FnMut() -> bool,
@@ -222,7 +274,7 @@ impl RdmaSource {
         let internal = |e: libkv::rdma::RdmaError| {
             Some((
                 ErrorCode::Internal,
-                format!("setting up an RDMA session: {}", crate::error_chain(&e)),
+                format!("setting up an RDMA session: {}", libkv::error_chain(&e)),
             ))
         };
         let (mut session, mut hello) = ClientSession::new(&self.node).map_err(internal)?;
@@ -260,7 +312,7 @@ impl RdmaSource {
                 format!(
                     "RDMA session with {}: {}",
                     self.addr,
-                    crate::error_chain(&e)
+                    libkv::error_chain(&e)
                 ),
             )),
         }
@@ -280,8 +332,9 @@ impl PageSource for RdmaSource {
         &self,
         manifest: &Manifest,
         grant: &mut WriteGrant,
-        keep_going: &mut dyn FnMut() -> bool,
+        keep_going: &(dyn Fn() -> bool + Sync),
     ) -> Result<(), Failure> {
+        let keep_going = &mut || keep_going();
         let owner = manifest.owner;
         let (stream, session) = self.session(keep_going)?;
         let request = PageRequest {
@@ -307,9 +360,9 @@ impl PageSource for RdmaSource {
             Err(e) => return Err(self.lost(e)),
         };
         let dst = grant
-            .pages_mut(0..manifest.pages.len())
+            .landing(0..manifest.pages.len())
             .map_err(|e| Some((ErrorCode::Internal, e.to_string())))?;
-        let (session, _stats) = match session.read(&windows, dst, keep_going) {
+        let (session, _stats) = match session.read_into(&windows, dst, keep_going) {
             Ok(done) => done,
             Err(libkv::rdma::RdmaError::Stopped) => return Err(None),
             Err(e) => {
@@ -318,7 +371,7 @@ impl PageSource for RdmaSource {
                     format!(
                         "reading the pages of {owner} over RDMA from {}: {}",
                         self.addr,
-                        crate::error_chain(&e)
+                        libkv::error_chain(&e)
                     ),
                 )));
             }
@@ -421,10 +474,6 @@ fn failed(code: ErrorCode, message: String) -> Stop {
     Stop::Failed { code, message }
 }
 
-fn add(c: &AtomicU64, n: u64) {
-    c.fetch_add(n, Ordering::Relaxed);
-}
-
 fn run_job(ctx: &JobContext, job: Job) {
     let (owner, epoch) = (job.owner, job.epoch);
     let pages = u32::try_from(job.res.pages().len()).unwrap_or(u32::MAX);
@@ -444,7 +493,7 @@ fn run_job(ctx: &JobContext, job: Job) {
             debug!("{owner} failed: {code}: {message}");
             emit(Message::from(Error {
                 code,
-                message: libkv::link::text(message),
+                message: libkv::worker::text(message),
             }));
         }
     }
@@ -520,8 +569,8 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
     {
         let internal = |e: libkv::pool::PoolError| failed(ErrorCode::Internal, e.to_string());
         let mut grant = res.grant_write().map_err(internal)?;
-        let mut keep_going = || check(pull_deadline, "pull").is_ok();
-        match source.pull(&manifest, &mut grant, &mut keep_going) {
+        let keep_going = || check(pull_deadline, "pull").is_ok();
+        match source.pull(&manifest, &mut grant, &keep_going) {
             Ok(()) => {}
             // Stopped: say why (cancelled or past the deadline).
             Err(None) => {
@@ -584,6 +633,9 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
             pages_transferred: pages,
             bytes_transferred: u64::from(pages) * page_bytes,
             elapsed_us: u64::try_from(since.elapsed().as_micros()).unwrap_or(u64::MAX),
+            // kvctld fills in who served the request.
+            prefill_worker: String::new(),
+            decode_worker: String::new(),
         }
         .into(),
     );

@@ -2,147 +2,65 @@
 //!
 //! It owns a page pool on a sealed memfd that never leaves the process. For each request
 //! kvctld sends `DecodeReserve` (decoded reserves prompt + new-token pages), then `PullKv`
-//! with prefill's manifest: a job thread copies the named pages out of the prefill pool
-//! (mapped read-only from the `PrefillPool` fd) into the reservation's own pages, verifies
-//! them against the manifest's digests ([`libkv::pool::Reservation::verify`], the only way
-//! to read KV), and decodes, streaming `Tokens` and a final `Done`. Pages go back to the free
-//! list when the job ends, and only then is `Freed` reported.
+//! with prefill's manifest and the id of the prefill worker that holds the pages: a job thread
+//! copies the named pages out of that worker's pool into the reservation's own pages,
+//! verifies them against the manifest's digests ([`libkv::pool::Reservation::verify`], the
+//! only way to read KV), and decodes, streaming `Tokens` and a final `Done`. Pages go back to
+//! the free list when the job ends, and only then is `Freed` reported.
 //!
-//! With a TCP prefill worker kvctld sends `PrefillEndpoint` instead of `PrefillPool`: jobs
-//! then pull the same pages from prefilld's page server (see `libkv::tcp`), reading them
-//! straight into the reservation's pages, and verify them the same way.
+//! kvctld may pair a decode worker with many prefill workers. It tells decoded of each one
+//! under its worker id: `PrefillPool` (shared memory: the pool's read-only memfd, mapped
+//! here) or `PrefillEndpoint` (TCP or RDMA: prefilld's page server, see `libkv::tcp`, read
+//! straight into the reservation's pages), and `PrefillGone` when it is gone. A new one
+//! under a known id replaces the old source (that worker restarted). A `PullKv` names its
+//! source; decoded pulls from no pool or endpoint kvctld did not give it, and a pull naming
+//! an unknown one fails with `WorkerLost`. Jobs already running keep the source they started
+//! with until they end; a lost kvctld connection forgets every source.
 //!
-//! One mio event loop (shared with prefilld, see `link.rs`) owns the kvctld connection;
-//! jobs send their frames back to it over a channel and wake it with a `mio::Waker`.
+//! One mio event loop ([`libkv::worker::serve`], shared with prefilld) owns the kvctld
+//! connection; jobs send their frames back to it over a channel and wake it with a
+//! `mio::Waker`.
 
 mod job;
-use libkv::link::{self, page_count, pool_error_code, refuse};
 
 use crossbeam::channel::Receiver;
 use job::{Job, JobContext, JobEvent, JobPool, PageSource, RdmaSource, TcpSource};
-use libkv::config::{Backend, Config, DeadlineDurations};
-use libkv::memory::{ForeignPool, HostMemory};
-use libkv::model::{ModelError, ReferenceModel};
-use libkv::pool::{PagePool, PoolError, PoolOptions, Reservation};
+use libkv::config::{Config, DeadlineDurations, Side};
+use libkv::memory::ForeignPool;
+use libkv::pool::{PagePool, Reservation};
 use libkv::proto::{
     DecodeReserve, DecodeReserved, ErrorCode, Freed, Header, Message, PrefillEndpoint, PrefillPool,
-    PullKv, RegisterAck, RegisterWorker, Role, Transport,
+    PullKv, RegisterAck, Transport,
 };
 use libkv::rdma::RdmaNode;
+use libkv::worker::{self, Link, Startup, Worker, add, page_count, pool_error_code, refuse};
 use libkv::{Generation, Owner, PageGeometry, RequestId};
-use link::{Link, Worker};
 use log::{debug, info, warn};
-use mio::{Poll, Waker};
 use std::collections::HashMap;
-use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-pub use link::{LinkError, RunOptions, Shutdown};
-
-/// Exit code: stopped cleanly.
-pub const EXIT_OK: u8 = 0;
-/// Exit code: a runtime failure.
-pub const EXIT_RUNTIME: u8 = 1;
-/// Exit code: the configuration is invalid or cannot run in this build.
-pub const EXIT_CONFIG: u8 = 2;
+pub use libkv::worker::{RunOptions, Shutdown, WorkerError};
 
 /// Job threads: pulls and decodes run here, never on the event loop.
 pub const JOB_THREADS: usize = 2;
 
-/// Why decoded stopped with an error.
-#[derive(Debug, thiserror::Error)]
-pub enum WorkerError {
-    /// The configured pool backend is not compiled in.
-    #[error("backend {backend} is not available in this build")]
-    BackendUnavailable { backend: &'static str },
-    /// The page geometry cannot run the reference model.
-    #[error("the page geometry cannot run the reference model")]
-    Model(#[source] ModelError),
-    /// Creating the pool's memory failed.
-    #[error("creating {bytes} bytes of pool memory")]
-    Memory {
-        bytes: u64,
-        #[source]
-        source: io::Error,
-    },
-    /// Creating the page pool failed.
-    #[error("creating the page pool")]
-    Pool(#[source] PoolError),
-    /// Starting the job threads failed.
-    #[error("starting the job threads")]
-    Threads(#[source] io::Error),
-    /// The event loop failed.
-    #[error("event loop")]
-    EventLoop(#[from] LinkError),
-    /// The configured RDMA device, port or GID cannot be used.
-    #[error("opening the RDMA device of [rdma]")]
-    Rdma(#[source] libkv::rdma::RdmaError),
-}
-
-impl WorkerError {
-    /// Whether the error is the configuration's (exit [`EXIT_CONFIG`]) rather than the
-    /// system's (exit [`EXIT_RUNTIME`]).
-    pub fn is_config(&self) -> bool {
-        matches!(
-            self,
-            WorkerError::BackendUnavailable { .. } | WorkerError::Model(_)
-        ) || matches!(self, WorkerError::Rdma(e) if e.is_config())
+libkv::worker_counters! {
+    /// Counters reported in every `PoolReport`, after the link's `frames_received`. Shared
+    /// with the job threads.
+    pub(crate) struct Counters {
+        reserves,
+        pulls,
+        pages_pulled,
+        bytes_pulled,
+        verified,
+        verify_failed,
+        tokens_generated,
+        aborts,
+        freed_pages,
     }
-
-    /// The documented exit code for this error.
-    pub fn exit_code(&self) -> u8 {
-        if self.is_config() {
-            EXIT_CONFIG
-        } else {
-            EXIT_RUNTIME
-        }
-    }
-}
-
-pub use libkv::error_chain;
-
-/// Counters reported in every `PoolReport` (names from the request flow). Shared with the
-/// job threads.
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    frames_received: Arc<AtomicU64>,
-    reserves: AtomicU64,
-    pulls: AtomicU64,
-    pages_pulled: AtomicU64,
-    bytes_pulled: AtomicU64,
-    verified: AtomicU64,
-    verify_failed: AtomicU64,
-    tokens_generated: AtomicU64,
-    aborts: AtomicU64,
-    freed_pages: AtomicU64,
-}
-
-impl Counters {
-    fn snapshot(&self) -> Vec<(String, u64)> {
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        [
-            ("frames_received", get(&self.frames_received)),
-            ("reserves", get(&self.reserves)),
-            ("pulls", get(&self.pulls)),
-            ("pages_pulled", get(&self.pages_pulled)),
-            ("bytes_pulled", get(&self.bytes_pulled)),
-            ("verified", get(&self.verified)),
-            ("verify_failed", get(&self.verify_failed)),
-            ("tokens_generated", get(&self.tokens_generated)),
-            ("aborts", get(&self.aborts)),
-            ("freed_pages", get(&self.freed_pages)),
-        ]
-        .into_iter()
-        .map(|(n, v)| (n.to_owned(), v))
-        .collect()
-    }
-}
-
-fn add(c: &AtomicU64, n: u64) {
-    c.fetch_add(n, Ordering::Relaxed);
 }
 
 /// What decoded holds for an owner.
@@ -170,8 +88,9 @@ struct Decode {
     held: HashMap<Owner, Entry>,
     generation: Option<Generation>,
     limits: Option<(u32, u32)>,
-    /// The prefill pages' source, from `PrefillPool` or `PrefillEndpoint`.
-    source: Option<Arc<dyn PageSource>>,
+    /// The prefill pages' sources by prefill worker id, from `PrefillPool` or
+    /// `PrefillEndpoint`; only these are ever pulled from.
+    sources: HashMap<String, Arc<dyn PageSource>>,
     /// The RDMA device with this pool registered, when `[transfer]` says RDMA and the host
     /// has it.
     rdma: Option<Arc<RdmaNode>>,
@@ -180,35 +99,25 @@ struct Decode {
     deadlines: DeadlineDurations,
 }
 
-/// Runs decoded until SIGTERM/SIGINT or `opts.shutdown`.
+/// Runs decoded until stopped (SIGTERM/SIGINT or `opts.shutdown`; registered, it drains
+/// first), or until kvctld refuses its registration for good.
 pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
-    if cfg.decode.backend == Backend::Cuda {
-        return Err(WorkerError::BackendUnavailable { backend: "cuda" });
-    }
-    let model = ReferenceModel::new(cfg.geometry).map_err(WorkerError::Model)?;
-    let bytes = cfg.decode.pool_bytes(&cfg.geometry);
-    // The decode pool's fd never leaves this process: only the pool holds it.
-    let memory = HostMemory::new(c"kvfence-decode", bytes)
-        .map_err(|source| WorkerError::Memory { bytes, source })?;
-    let pool = PagePool::new(
-        cfg.geometry,
-        cfg.decode.pool_pages,
-        Box::new(memory),
-        PoolOptions {
-            poison: cfg.decode.poison,
-            scrub: cfg.decode.scrub,
-        },
-    )
-    .map_err(WorkerError::Pool)?;
-    // Registered for local access only: RDMA reads land here, no peer gets a key to it.
-    let rdma = libkv::rdma::open_node(&cfg, &pool, false).map_err(WorkerError::Rdma)?;
+    // The decode pool's fd never leaves this process: only the pool holds it. Registered
+    // with RDMA for local access only: reads land here, no peer gets a key to it.
+    let start = Startup::new(&cfg, Side::Decode)?;
     let mut transports = vec![Transport::Shm, Transport::Tcp];
-    if rdma.is_some() {
+    if start.rdma.is_some() {
         transports.push(Transport::Rdma);
     }
-
-    let poll = Poll::new().map_err(LinkError::Setup)?;
-    let waker = Arc::new(Waker::new(poll.registry(), link::WAKER).map_err(LinkError::Setup)?);
+    let link = Link::new(&cfg, start.registration(transports, None), None);
+    let Startup {
+        model,
+        pool,
+        rdma,
+        poll,
+        waker,
+        ..
+    } = start;
     let counters = Arc::new(Counters::default());
     let (events_tx, events) = crossbeam::channel::unbounded();
     let jobs = JobPool::start(
@@ -221,19 +130,6 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
         }),
     )
     .map_err(WorkerError::Threads)?;
-    let link = Link::new(
-        cfg.control.socket.clone(),
-        RegisterWorker {
-            role: Role::Decode,
-            geometry: cfg.geometry,
-            pool_pages: cfg.decode.pool_pages,
-            transports,
-            endpoint: None,
-        },
-        None,
-        cfg.deadlines.bootstrap(),
-        Arc::clone(&counters.frames_received),
-    );
     let mut worker = Decode {
         geometry: cfg.geometry,
         pool,
@@ -243,23 +139,23 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
         held: HashMap::new(),
         generation: None,
         limits: None,
-        source: None,
+        sources: HashMap::new(),
         rdma,
         epoch: 0,
         deadlines: cfg.deadlines.as_durations(),
     };
-    link::serve(poll, waker, link, &mut worker, &opts)?;
+    worker::serve(poll, waker, link, &mut worker, &opts)?;
     Ok(())
 }
 
 impl Decode {
     /// Refuses an owner of another generation, or one that is not the frame's request.
     fn check_owner(&self, id: RequestId, owner: Owner) -> Result<(), String> {
-        link::check_owner(self.generation, id, owner)
+        worker::check_owner(self.generation, id, owner)
     }
 
     fn report(&self, link: &mut Link) {
-        link::send_report(link, &self.pool, self.counters.snapshot());
+        worker::send_report(link, &self.pool, self.counters.snapshot());
     }
 
     /// Reports pages that are back on the free list: the caller dropped the reservation
@@ -353,8 +249,8 @@ impl Decode {
             );
             return fail(self, link, res, ErrorCode::BadRequest, reason);
         }
-        let Some(source) = self.source.clone() else {
-            let reason = "no prefill pool mapped and no page server known".to_owned();
+        let Some(source) = self.sources.get(&m.source).cloned() else {
+            let reason = format!("no prefill worker {} known", m.source);
             return fail(self, link, res, ErrorCode::WorkerLost, reason);
         };
         let cancel = Arc::new(AtomicBool::new(false));
@@ -411,71 +307,94 @@ impl Decode {
         }
     }
 
-    fn map_prefill_pool(&mut self, link: &mut Link, m: &PrefillPool, fds: &[OwnedFd]) {
-        let refused = if m.geometry != self.geometry {
-            Some(format!(
-                "prefill pool geometry {:?} differs from this worker's {:?}",
-                m.geometry, self.geometry
-            ))
-        } else if let Some(fd) = fds.first() {
-            match ForeignPool::map(fd.as_fd(), self.geometry.bytes_per_page(), m.pool_pages) {
-                Ok(foreign) => {
-                    info!("mapped the prefill pool ({} pages)", m.pool_pages);
-                    self.source = Some(Arc::new(foreign));
-                    None
-                }
-                Err(e) => Some(format!("cannot map the prefill pool: {e}")),
-            }
+    /// The geometry check every prefill source passes: its pages must be this pool's.
+    fn check_geometry(&self, geometry: &PageGeometry) -> Result<(), String> {
+        if *geometry == self.geometry {
+            Ok(())
         } else {
-            Some("PrefillPool without its fd".to_owned())
-        };
-        if let Some(reason) = refused {
-            warn!("{reason}");
-            refuse(link, RequestId(0), ErrorCode::BadRequest, reason);
+            Err(format!(
+                "prefill pool geometry {geometry:?} differs from this worker's {:?}",
+                self.geometry
+            ))
         }
     }
 
-    fn use_page_server(&mut self, link: &mut Link, m: PrefillEndpoint) {
-        let refused = if m.geometry != self.geometry {
-            Some(format!(
-                "prefill pool geometry {:?} differs from this worker's {:?}",
-                m.geometry, self.geometry
-            ))
-        } else {
-            match m.endpoint.addr.parse() {
-                Ok(addr) => {
-                    let page_bytes = self.geometry.bytes_per_page();
-                    self.source = Some(match (&self.rdma, m.rdma) {
-                        (Some(node), true) => {
-                            info!("reading prefill pages from {addr} over RDMA");
-                            Arc::new(RdmaSource {
-                                addr,
-                                token: m.endpoint.token,
-                                pool_pages: m.pool_pages,
-                                page_bytes,
-                                node: Arc::clone(node),
-                                idle: std::sync::Mutex::new(Vec::new()),
-                            })
-                        }
-                        _ => {
-                            info!("pulling prefill pages from {addr} over TCP");
-                            Arc::new(TcpSource {
-                                addr,
-                                token: m.endpoint.token,
-                                pool_pages: m.pool_pages,
-                                page_bytes,
-                                idle: std::sync::Mutex::new(Vec::new()),
-                            })
-                        }
-                    });
-                    None
+    /// Makes `source` the source of prefill worker `worker`, replacing the one it had (that
+    /// worker restarted), or, with `Err`, forgets it and answers kvctld why.
+    fn set_source(
+        &mut self,
+        link: &mut Link,
+        worker: String,
+        source: Result<Arc<dyn PageSource>, String>,
+    ) {
+        match source {
+            Ok(source) => {
+                if self.sources.insert(worker.clone(), source).is_some() {
+                    info!("prefill worker {worker}: the new source replaces the old one");
                 }
-                Err(e) => Some(format!("page server address {:?}: {e}", m.endpoint.addr)),
             }
-        };
-        if let Some(reason) = refused {
-            warn!("{reason}");
-            refuse(link, RequestId(0), ErrorCode::BadRequest, reason);
+            Err(reason) => {
+                let reason = format!("prefill worker {worker}: {reason}");
+                warn!("{reason}");
+                self.sources.remove(&worker);
+                refuse(link, RequestId(0), ErrorCode::BadRequest, reason);
+            }
+        }
+    }
+
+    fn map_prefill_pool(&mut self, link: &mut Link, m: PrefillPool, fds: &[OwnedFd]) {
+        let source = self.check_geometry(&m.geometry).and_then(|()| {
+            let fd = fds.first().ok_or("PrefillPool without its fd")?;
+            let foreign =
+                ForeignPool::map(fd.as_fd(), self.geometry.bytes_per_page(), m.pool_pages)
+                    .map_err(|e| format!("cannot map the prefill pool: {e}"))?;
+            info!(
+                "mapped the pool of prefill worker {} ({} pages)",
+                m.worker, m.pool_pages
+            );
+            Ok(Arc::new(foreign) as Arc<dyn PageSource>)
+        });
+        self.set_source(link, m.worker, source);
+    }
+
+    fn use_page_server(&mut self, link: &mut Link, m: PrefillEndpoint) {
+        let source = self.check_geometry(&m.geometry).and_then(|()| {
+            let addr = m
+                .endpoint
+                .addr
+                .parse()
+                .map_err(|e| format!("page server address {:?}: {e}", m.endpoint.addr))?;
+            let page_bytes = self.geometry.bytes_per_page();
+            let (token, pages) = (m.endpoint.token, m.pool_pages);
+            Ok(match (&self.rdma, m.rdma) {
+                (Some(node), true) => {
+                    info!(
+                        "reading the pages of prefill worker {} from {addr} over RDMA",
+                        m.worker
+                    );
+                    let node = Arc::clone(node);
+                    Arc::new(RdmaSource::new(addr, token, pages, page_bytes, node))
+                        as Arc<dyn PageSource>
+                }
+                _ => {
+                    info!(
+                        "pulling the pages of prefill worker {} from {addr} over TCP",
+                        m.worker
+                    );
+                    Arc::new(TcpSource::new(addr, token, pages, page_bytes))
+                }
+            })
+        });
+        self.set_source(link, m.worker, source);
+    }
+
+    /// `PrefillGone`: forgets that worker's source (unmapping its pool and closing its idle
+    /// page-server connections once no running job holds it).
+    fn forget_source(&mut self, worker: &str) {
+        if self.sources.remove(worker).is_some() {
+            info!("prefill worker {worker} is gone; forgot its source");
+        } else {
+            debug!("PrefillGone for {worker}, which this worker did not know");
         }
     }
 
@@ -560,8 +479,9 @@ impl Worker for Decode {
             Message::PullKv(m) => self.pull(link, id, m),
             Message::Abort(m) => self.abort(link, id, m.owner, true),
             Message::Release(m) => self.abort(link, id, m.owner, false),
-            Message::PrefillPool(m) => self.map_prefill_pool(link, &m, &fds),
+            Message::PrefillPool(m) => self.map_prefill_pool(link, m, &fds),
             Message::PrefillEndpoint(m) => self.use_page_server(link, m),
+            Message::PrefillGone(m) => self.forget_source(&m.worker),
             Message::Error(e) => debug!("kvctld reported for {id}: {}: {}", e.code, e.message),
             other => {
                 let reason = format!("{:?} is not for a decode worker", other.msg_type());
@@ -575,7 +495,7 @@ impl Worker for Decode {
         self.epoch += 1;
         self.generation = None;
         self.limits = None;
-        self.source = None;
+        self.sources.clear();
     }
 
     fn on_wake(&mut self, link: &mut Link) {
@@ -617,19 +537,27 @@ impl Worker for Decode {
 }
 
 #[cfg(test)]
-#[path = "../../prefilld/src/testkit.rs"]
-mod testkit;
-
-#[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testkit::{Daemon, FakeKvctld, GEN, Peer, WAIT, counter, owner, test_config};
     use libkv::PageId;
-    use libkv::model::{ModelRunner, monolithic, tokenize};
-    use libkv::proto::{Abort, PrefillDone, PrefillRun, PullDone, Release, Tokens};
+    use libkv::config::{Backend, TransportKind};
+    use libkv::memory::HostMemory;
+    use libkv::model::{ModelRunner, ReferenceModel, monolithic, tokenize};
+    use libkv::pool::PoolOptions;
+    use libkv::proto::{
+        Abort, Done, Drain, PrefillDone, PrefillGone, PrefillRun, PullDone, Release, Role, Tokens,
+    };
+    use libkv::testkit::{self, FakeKvctld, GEN, Peer, counter, drain_reply, owner, test_config};
     use libkv::verify::{Manifest, page_digest};
+    use libkv::worker::{EXIT_CONFIG, LinkError};
 
     const PROMPT: &[u8] = b"kvfence moves KV pages from prefill to decode, verified";
+    /// The id of the prefill worker [`start`] hands decoded.
+    const SOURCE: &str = "prefill-0";
+
+    fn start_daemon(cfg: Config) -> testkit::Daemon {
+        testkit::Daemon::start(run, cfg)
+    }
 
     fn expect_error(msg: Message, code: ErrorCode) -> String {
         match msg {
@@ -640,6 +568,7 @@ mod tests {
 
     /// A prefill pool written in the test, standing in for prefilld.
     struct FakePrefill {
+        id: String,
         pool: PagePool,
         fd: OwnedFd,
         model: ReferenceModel,
@@ -648,6 +577,10 @@ mod tests {
 
     impl FakePrefill {
         fn new(cfg: &Config) -> FakePrefill {
+            FakePrefill::with_id(cfg, SOURCE)
+        }
+
+        fn with_id(cfg: &Config, id: &str) -> FakePrefill {
             let bytes = cfg.prefill.pool_bytes(&cfg.geometry);
             let memory = HostMemory::new(c"test-prefill", bytes).unwrap();
             let fd = memory.read_only_fd().unwrap();
@@ -659,6 +592,7 @@ mod tests {
             )
             .unwrap();
             FakePrefill {
+                id: id.to_owned(),
                 pool,
                 fd,
                 model: ReferenceModel::new(cfg.geometry).unwrap(),
@@ -690,6 +624,7 @@ mod tests {
             peer.send_fd(
                 RequestId(0),
                 PrefillPool {
+                    worker: self.id.clone(),
                     geometry: cfg.geometry,
                     pool_pages: cfg.prefill.pool_pages,
                 },
@@ -701,11 +636,11 @@ mod tests {
     /// A decoded registered with a fake kvctld that handed it `prefill`'s pool.
     fn start(
         cfg_edit: impl FnOnce(&mut Config),
-    ) -> (FakeKvctld, Config, Daemon, Peer, FakePrefill) {
+    ) -> (FakeKvctld, Config, testkit::Daemon, Peer, FakePrefill) {
         let kvctld = FakeKvctld::new();
         let mut cfg = test_config(kvctld.socket.clone());
         cfg_edit(&mut cfg);
-        let daemon = Daemon::start(cfg.clone());
+        let daemon = start_daemon(cfg.clone());
         let mut peer = kvctld.accept();
         let (reg, fd) = peer.handshake(&cfg);
         assert_eq!(reg.role, Role::Decode);
@@ -724,7 +659,7 @@ mod tests {
                 max_new_tokens,
             },
         );
-        let (h, msg) = peer.next();
+        let (h, msg) = peer.next_frame();
         assert_eq!(h.request_id, RequestId(request));
         match msg {
             Message::DecodeReserved(r) if r.owner == owner(request) => r.pages,
@@ -739,7 +674,7 @@ mod tests {
         request: u64,
         pages: u32,
     ) -> libkv::proto::PoolReport {
-        let (h, msg) = peer.next();
+        let (h, msg) = peer.next_frame();
         assert_eq!(h.request_id, RequestId(request));
         assert_eq!(
             msg,
@@ -757,30 +692,21 @@ mod tests {
     fn prefilld_and_decoded_reproduce_the_monolithic_output() {
         let kvctld = FakeKvctld::new();
         let cfg = test_config(kvctld.socket.clone());
-        let decoded = Daemon::start(cfg.clone());
-        let prefill_opts = prefilld::RunOptions {
-            handle_signals: false,
-            shutdown: prefilld::Shutdown::new(),
-        };
-        let prefill_stop = prefill_opts.shutdown.clone();
-        let prefill_cfg = cfg.clone();
-        let (tx, prefill_done) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let _ = tx.send(prefilld::run(prefill_cfg, prefill_opts).is_ok());
-        });
-
-        let (mut a, mut b) = (kvctld.accept(), kvctld.accept());
-        let (reg_a, fd_a) = a.handshake(&cfg);
-        let (_, fd_b) = b.handshake(&cfg);
-        let (mut pre, mut dec, pool_fd) = if reg_a.role == Role::Prefill {
-            (a, b, fd_a)
-        } else {
-            (b, a, fd_b)
-        };
+        let mut prefill_cfg = cfg.clone();
+        prefill_cfg.worker.id = Some(SOURCE.into());
+        let prefilld = testkit::Daemon::start(prefilld::run, prefill_cfg);
+        let mut pre = kvctld.accept();
+        let (reg, pool_fd) = pre.handshake(&cfg);
+        assert_eq!((reg.role, reg.id.as_str()), (Role::Prefill, SOURCE));
+        let decoded = start_daemon(cfg.clone());
+        let mut dec = kvctld.accept();
+        let (reg, _) = dec.handshake(&cfg);
+        assert_eq!((reg.role, reg.id.as_str()), (Role::Decode, "decode"));
         let pool_fd = pool_fd.expect("prefill pool fd");
         dec.send_fd(
             RequestId(0),
             PrefillPool {
+                worker: SOURCE.into(),
                 geometry: cfg.geometry,
                 pool_pages: cfg.prefill.pool_pages,
             },
@@ -802,23 +728,24 @@ mod tests {
                 prompt: PROMPT.to_vec(),
             },
         );
-        let Message::PrefillDone(PrefillDone { manifest }) = pre.next().1 else {
+        let Message::PrefillDone(PrefillDone { manifest }) = pre.next_frame().1 else {
             panic!("expected PrefillDone");
         };
         let prefill_pages = u32::try_from(manifest.pages.len()).unwrap();
         dec.send(
             id,
             PullKv {
+                source: SOURCE.into(),
                 manifest,
                 max_new_tokens: max_new,
             },
         );
         assert_eq!(
-            dec.next().1,
+            dec.next_frame().1,
             Message::PullDone(PullDone { owner: owner(11) })
         );
         pre.send(id, Release { owner: owner(11) });
-        let (_, freed) = pre.next();
+        let (_, freed) = pre.next_frame();
         assert_eq!(
             freed,
             Message::Freed(Freed {
@@ -829,7 +756,7 @@ mod tests {
 
         let mut tokens = Vec::new();
         let done = loop {
-            let (h, msg) = dec.next();
+            let (h, msg) = dec.next_frame();
             assert_eq!(h.request_id, id);
             match msg {
                 Message::Tokens(Tokens {
@@ -860,8 +787,7 @@ mod tests {
         assert_eq!(counter(&report, "tokens_generated"), u64::from(max_new));
         assert_eq!(counter(&report, "freed_pages"), u64::from(pages));
 
-        prefill_stop.request();
-        assert!(prefill_done.recv_timeout(WAIT).unwrap());
+        prefilld.stop().unwrap();
         decoded.stop().unwrap();
     }
 
@@ -875,11 +801,12 @@ mod tests {
         peer.send(
             RequestId(1),
             PullKv {
+                source: SOURCE.into(),
                 manifest,
                 max_new_tokens: 8,
             },
         );
-        let reason = expect_error(peer.next().1, ErrorCode::VerifyFailed);
+        let reason = expect_error(peer.next_frame().1, ErrorCode::VerifyFailed);
         assert!(reason.contains("tokens"), "{reason}");
         // No PullDone, no Tokens: the next frame is Freed.
         let report = expect_freed(&mut peer, &cfg, 1, pages);
@@ -894,11 +821,12 @@ mod tests {
         peer.send(
             RequestId(2),
             PullKv {
+                source: SOURCE.into(),
                 manifest,
                 max_new_tokens: 8,
             },
         );
-        let reason = expect_error(peer.next().1, ErrorCode::VerifyFailed);
+        let reason = expect_error(peer.next_frame().1, ErrorCode::VerifyFailed);
         assert!(reason.contains("digest"), "{reason}");
         let report = expect_freed(&mut peer, &cfg, 2, pages);
         assert_eq!(counter(&report, "verify_failed"), 2);
@@ -915,11 +843,12 @@ mod tests {
         peer.send(
             RequestId(1),
             PullKv {
+                source: SOURCE.into(),
                 manifest: manifest.clone(),
                 max_new_tokens: 8,
             },
         );
-        let reason = expect_error(peer.next().1, ErrorCode::BadRequest);
+        let reason = expect_error(peer.next_frame().1, ErrorCode::BadRequest);
         assert!(reason.contains("outside the prefill pool"), "{reason}");
         let report = expect_freed(&mut peer, &cfg, 1, pages);
         assert_eq!(counter(&report, "pages_pulled"), 0);
@@ -931,11 +860,12 @@ mod tests {
         peer.send(
             RequestId(2),
             PullKv {
+                source: SOURCE.into(),
                 manifest,
                 max_new_tokens: 8,
             },
         );
-        expect_error(peer.next().1, ErrorCode::BadRequest);
+        expect_error(peer.next_frame().1, ErrorCode::BadRequest);
         expect_freed(&mut peer, &cfg, 2, pages);
         daemon.stop().unwrap();
     }
@@ -949,11 +879,12 @@ mod tests {
         peer.send(
             RequestId(5),
             PullKv {
+                source: SOURCE.into(),
                 manifest: manifest.clone(),
                 max_new_tokens: 4,
             },
         );
-        let reason = expect_error(peer.next().1, ErrorCode::BadRequest);
+        let reason = expect_error(peer.next_frame().1, ErrorCode::BadRequest);
         assert!(reason.contains("no reservation"), "{reason}");
         // Another generation.
         let stale = Owner {
@@ -968,7 +899,7 @@ mod tests {
                 max_new_tokens: 4,
             },
         );
-        expect_error(peer.next().1, ErrorCode::BadRequest);
+        expect_error(peer.next_frame().1, ErrorCode::BadRequest);
         // Over the limits from RegisterAck.
         peer.send(
             RequestId(7),
@@ -978,7 +909,7 @@ mod tests {
                 max_new_tokens: 4,
             },
         );
-        expect_error(peer.next().1, ErrorCode::BadRequest);
+        expect_error(peer.next_frame().1, ErrorCode::BadRequest);
         // Nothing was reserved, and kvctld hears so: one Freed of 0 pages.
         expect_freed(&mut peer, &cfg, 7, 0);
         // A duplicate DecodeReserve leaves the first reservation in place.
@@ -991,7 +922,7 @@ mod tests {
                 max_new_tokens: 4,
             },
         );
-        let reason = expect_error(peer.next().1, ErrorCode::BadRequest);
+        let reason = expect_error(peer.next_frame().1, ErrorCode::BadRequest);
         assert!(reason.contains("duplicate"), "{reason}");
         // A message for the other role.
         peer.send(
@@ -1001,18 +932,19 @@ mod tests {
                 prompt: PROMPT.to_vec(),
             },
         );
-        expect_error(peer.next().1, ErrorCode::BadRequest);
+        expect_error(peer.next_frame().1, ErrorCode::BadRequest);
         // The first reservation still serves its request.
         peer.send(
             RequestId(5),
             PullKv {
+                source: SOURCE.into(),
                 manifest,
                 max_new_tokens: 4,
             },
         );
-        assert!(matches!(peer.next().1, Message::PullDone(_)));
-        assert!(matches!(peer.next().1, Message::Tokens(t) if t.tokens.len() == 4));
-        assert!(matches!(peer.next().1, Message::Done(_)));
+        assert!(matches!(peer.next_frame().1, Message::PullDone(_)));
+        assert!(matches!(peer.next_frame().1, Message::Tokens(t) if t.tokens.len() == 4));
+        assert!(matches!(peer.next_frame().1, Message::Done(_)));
         let report = expect_freed(&mut peer, &cfg, 5, pages);
         assert_eq!(counter(&report, "reserves"), 1);
         daemon.stop().unwrap();
@@ -1038,6 +970,7 @@ mod tests {
         peer.send(
             RequestId(2),
             PullKv {
+                source: SOURCE.into(),
                 manifest,
                 max_new_tokens: max_new,
             },
@@ -1045,7 +978,7 @@ mod tests {
         peer.send(RequestId(2), abort(2));
         peer.send(RequestId(2), abort(2));
         let report = loop {
-            let (h, msg) = peer.next();
+            let (h, msg) = peer.next_frame();
             assert_eq!(h.request_id, RequestId(2));
             match msg {
                 Message::PullDone(_) | Message::Tokens(_) | Message::Done(_) => {}
@@ -1089,11 +1022,12 @@ mod tests {
         peer.send(
             RequestId(2),
             PullKv {
+                source: SOURCE.into(),
                 manifest,
                 max_new_tokens: 8,
             },
         );
-        expect_error(peer.next().1, ErrorCode::WorkerLost);
+        expect_error(peer.next_frame().1, ErrorCode::WorkerLost);
         daemon.stop().unwrap();
     }
 
@@ -1123,8 +1057,276 @@ mod tests {
         let err = run(cfg, RunOptions::default()).unwrap_err();
         assert_eq!(err.exit_code(), EXIT_CONFIG);
         assert_eq!(
-            error_chain(&err),
-            "backend cuda is not available in this build"
+            libkv::error_chain(&err),
+            "backend cuda is not available in this build ([decode] backend = \"cuda\"); set \
+             backend = \"host\" to run the pool in host memory"
         );
+    }
+
+    fn pull_msg(source: &str, manifest: Manifest, max_new_tokens: u32) -> PullKv {
+        PullKv {
+            source: source.into(),
+            manifest,
+            max_new_tokens,
+        }
+    }
+
+    /// Reads PullDone, the Tokens and Done of `request`; returns the tokens and Done.
+    fn decoded_output(peer: &mut Peer, request: u64) -> (Vec<u32>, Done) {
+        let (h, msg) = peer.next_frame();
+        assert_eq!(h.request_id, RequestId(request));
+        assert_eq!(
+            msg,
+            Message::PullDone(PullDone {
+                owner: owner(request)
+            })
+        );
+        let mut tokens = Vec::new();
+        loop {
+            let (h, msg) = peer.next_frame();
+            assert_eq!(h.request_id, RequestId(request));
+            match msg {
+                Message::Tokens(t) => {
+                    assert_eq!(t.first_index as usize, tokens.len());
+                    tokens.extend(t.tokens);
+                }
+                Message::Done(d) => return (tokens, d),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+
+    /// The output a monolithic run gives for `prompt`.
+    fn expected(cfg: &Config, prompt: &[u8], max_new: u32) -> (Vec<u32>, u64) {
+        let model = ReferenceModel::new(cfg.geometry).unwrap();
+        let out = monolithic(&model, &tokenize(prompt), max_new).unwrap();
+        (out.tokens, out.signature)
+    }
+
+    /// Pulls `request` (reserved for `prompt`) from `source`, checks the output against a
+    /// monolithic run, then the Freed.
+    fn pull_and_check(
+        peer: &mut Peer,
+        cfg: &Config,
+        (request, pages): (u64, u32),
+        source: &str,
+        manifest: Manifest,
+        prompt: &[u8],
+    ) {
+        let max_new = 8;
+        peer.send(RequestId(request), pull_msg(source, manifest, max_new));
+        let (tokens, done) = decoded_output(peer, request);
+        let (want, signature) = expected(cfg, prompt, max_new);
+        assert_eq!(tokens, want, "request {request} from {source}");
+        assert_eq!(done.signature, signature);
+        assert!(done.prefill_worker.is_empty() && done.decode_worker.is_empty());
+        expect_freed(peer, cfg, request, pages);
+    }
+
+    const OTHER_PROMPT: &[u8] = b"a second prefill worker holds a different prompt's KV";
+
+    #[test]
+    fn each_pull_reads_the_pool_its_pull_names() {
+        let (_k, cfg, daemon, mut peer, mut a) = start(|_| {});
+        let mut b = FakePrefill::with_id(&cfg, "prefill-1");
+        b.give_pool(&peer, &cfg);
+        // The same page ids in both pools, holding different KV.
+        let in_a = a.prefill(owner(1), PROMPT);
+        let in_b = b.prefill(owner(2), OTHER_PROMPT);
+        assert_eq!(in_a.pages, in_b.pages);
+        let tokens = |p: &[u8]| u32::try_from(tokenize(p).len()).unwrap();
+        let pages = reserve(&mut peer, 1, tokens(PROMPT), 8);
+        pull_and_check(&mut peer, &cfg, (1, pages), SOURCE, in_a, PROMPT);
+        let pages = reserve(&mut peer, 2, tokens(OTHER_PROMPT), 8);
+        pull_and_check(&mut peer, &cfg, (2, pages), "prefill-1", in_b, OTHER_PROMPT);
+
+        // A manifest read from the wrong pool fails verification: never the other's KV.
+        let in_b = b.prefill(owner(3), OTHER_PROMPT);
+        let pages = reserve(&mut peer, 3, tokens(OTHER_PROMPT), 8);
+        peer.send(RequestId(3), pull_msg(SOURCE, in_b, 8));
+        expect_error(peer.next_frame().1, ErrorCode::VerifyFailed);
+        let report = expect_freed(&mut peer, &cfg, 3, pages);
+        assert_eq!(counter(&report, "verified"), 2);
+        daemon.stop().unwrap();
+    }
+
+    #[test]
+    fn a_pull_from_an_unknown_or_gone_source_fails_and_frees_its_pages() {
+        let (_k, cfg, daemon, mut peer, mut prefill) = start(|_| {});
+        let n = u32::try_from(PROMPT.len()).unwrap();
+        let manifest = prefill.prefill(owner(1), PROMPT);
+        let pages = reserve(&mut peer, 1, n, 8);
+        peer.send(RequestId(1), pull_msg("prefill-9", manifest, 8));
+        let reason = expect_error(peer.next_frame().1, ErrorCode::WorkerLost);
+        assert_eq!(reason, "no prefill worker prefill-9 known");
+        expect_freed(&mut peer, &cfg, 1, pages);
+
+        peer.send(
+            RequestId(0),
+            PrefillGone {
+                worker: SOURCE.into(),
+            },
+        );
+        let manifest = prefill.prefill(owner(2), PROMPT);
+        let pages = reserve(&mut peer, 2, n, 8);
+        peer.send(RequestId(2), pull_msg(SOURCE, manifest, 8));
+        let reason = expect_error(peer.next_frame().1, ErrorCode::WorkerLost);
+        assert_eq!(reason, format!("no prefill worker {SOURCE} known"));
+        let report = expect_freed(&mut peer, &cfg, 2, pages);
+        assert_eq!(counter(&report, "pages_pulled"), 0);
+        daemon.stop().unwrap();
+    }
+
+    #[test]
+    fn a_replaced_source_serves_the_next_pull() {
+        let (_k, cfg, daemon, mut peer, _old) = start(|_| {});
+        // The prefill worker restarted with a new pool under the same id; the old pool holds
+        // nothing, so only a pull from the new one verifies.
+        let mut new = FakePrefill::new(&cfg);
+        new.give_pool(&peer, &cfg);
+        let manifest = new.prefill(owner(1), PROMPT);
+        let pages = reserve(&mut peer, 1, u32::try_from(PROMPT.len()).unwrap(), 8);
+        pull_and_check(&mut peer, &cfg, (1, pages), SOURCE, manifest, PROMPT);
+        daemon.stop().unwrap();
+    }
+
+    #[test]
+    fn a_refusal_for_good_ends_run_with_the_config_exit_code() {
+        let kvctld = FakeKvctld::new();
+        let cfg = test_config(kvctld.socket.clone());
+        let daemon = start_daemon(cfg);
+        let mut peer = kvctld.accept();
+        let (reg, _) = peer.hello();
+        assert_eq!(reg.id, "decode");
+        peer.send(
+            RequestId(0),
+            libkv::proto::Error {
+                code: ErrorCode::Misconfigured,
+                message: "geometry differs".into(),
+            },
+        );
+        let err = daemon.wait().unwrap_err();
+        assert!(
+            matches!(&err, WorkerError::Link(LinkError::Misconfigured { .. })),
+            "{err:?}"
+        );
+        assert_eq!(err.exit_code(), EXIT_CONFIG);
+        peer.expect_closed();
+    }
+
+    #[test]
+    fn stop_drains_the_request_in_flight_and_ends_at_drain_reply() {
+        let kvctld = FakeKvctld::new();
+        let mut cfg = test_config(kvctld.socket.clone());
+        cfg.worker.id = Some("decode@gpu1".into());
+        // Far beyond testkit::WAIT: stopping in time means stopping at the DrainReply.
+        cfg.deadlines.drain = 600_000;
+        cfg.validate().unwrap();
+        let daemon = start_daemon(cfg.clone());
+        let mut peer = kvctld.accept();
+        let (reg, _) = peer.handshake(&cfg);
+        assert_eq!(reg.id, "decode@gpu1");
+        let mut prefill = FakePrefill::new(&cfg);
+        prefill.give_pool(&peer, &cfg);
+        let n = u32::try_from(PROMPT.len()).unwrap();
+        let pages = reserve(&mut peer, 1, n, 8);
+        daemon.request_stop();
+        let (h, msg) = peer.next_frame();
+        assert_eq!(h.request_id, RequestId(0));
+        assert_eq!(
+            msg,
+            Message::Drain(Drain {
+                worker: "decode@gpu1".into(),
+                drain: true
+            })
+        );
+        // The request reserved before the drain is still pulled and decoded.
+        let manifest = prefill.prefill(owner(1), PROMPT);
+        pull_and_check(&mut peer, &cfg, (1, pages), SOURCE, manifest, PROMPT);
+        assert!(daemon.try_result().is_none(), "stopped before DrainReply");
+        peer.send(RequestId(0), drain_reply(&reg));
+        daemon.wait().unwrap();
+        peer.expect_closed();
+    }
+
+    #[test]
+    fn drain_without_reply_ends_at_its_deadline() {
+        let (_k, cfg, daemon, mut peer, _prefill) = start(|cfg| cfg.deadlines.drain = 300);
+        let n = u32::try_from(PROMPT.len()).unwrap();
+        let pages = reserve(&mut peer, 1, n, 8);
+        let asked = Instant::now();
+        daemon.request_stop();
+        assert!(matches!(peer.next_frame().1, Message::Drain(_)));
+        expect_freed(&mut peer, &cfg, 1, pages);
+        assert!(asked.elapsed() >= std::time::Duration::from_millis(300));
+        daemon.wait().unwrap();
+        peer.expect_closed();
+    }
+
+    #[test]
+    fn pulls_from_two_page_servers_on_one_host() {
+        let kvctld = FakeKvctld::new();
+        let mut cfg = test_config(kvctld.socket.clone());
+        cfg.transfer.transport = TransportKind::Tcp;
+        cfg.transfer.listen = Some("127.0.0.1:0".into());
+        cfg.validate().unwrap();
+        // Two prefill workers from one configuration, told apart by their ids only.
+        let mut prefills = Vec::new();
+        for id in ["prefill-a", "prefill-b"] {
+            let mut prefill_cfg = cfg.clone();
+            prefill_cfg.worker.id = Some(id.into());
+            let daemon = testkit::Daemon::start(prefilld::run, prefill_cfg);
+            let mut peer = kvctld.accept();
+            let (reg, _) = peer.handshake(&cfg);
+            assert_eq!(reg.id, id);
+            prefills.push((daemon, peer, reg));
+        }
+        let decoded = start_daemon(cfg.clone());
+        let mut dec = kvctld.accept();
+        dec.handshake(&cfg);
+        for (_, _, reg) in &prefills {
+            dec.send(
+                RequestId(0),
+                PrefillEndpoint {
+                    worker: reg.id.clone(),
+                    geometry: reg.geometry,
+                    pool_pages: reg.pool_pages,
+                    endpoint: reg.endpoint.clone().expect("a page server"),
+                    rdma: false,
+                },
+            );
+        }
+        // Two rounds: the second reuses each source's idle connection.
+        let mut request = 0;
+        for _round in 0..2 {
+            for (i, (_, pre, reg)) in prefills.iter_mut().enumerate() {
+                request += 1;
+                let prompt = [PROMPT, OTHER_PROMPT][i];
+                let n = u32::try_from(tokenize(prompt).len()).unwrap();
+                let pages = reserve(&mut dec, request, n, 8);
+                let run = PrefillRun {
+                    owner: owner(request),
+                    prompt: prompt.to_vec(),
+                };
+                pre.send(RequestId(request), run);
+                let Message::PrefillDone(PrefillDone { manifest }) = pre.next_frame().1 else {
+                    panic!("expected PrefillDone");
+                };
+                pull_and_check(&mut dec, &cfg, (request, pages), &reg.id, manifest, prompt);
+                pre.send(
+                    RequestId(request),
+                    Release {
+                        owner: owner(request),
+                    },
+                );
+                assert!(
+                    matches!(pre.next_frame().1, Message::Freed(f) if f.owner == owner(request))
+                );
+            }
+        }
+        decoded.stop().unwrap();
+        for (daemon, _, _) in prefills {
+            daemon.stop().unwrap();
+        }
     }
 }

@@ -38,6 +38,11 @@ pub const MAX_POOL_BYTES: u64 = 1 << 40;
 pub const MAX_PAGE_BYTES: u64 = 1 << 30;
 /// Longest accepted deadline, in milliseconds (one hour).
 pub const MAX_DEADLINE_MS: u32 = 3_600_000;
+/// Most connections kvctld holds at once (every uid together); more are turned away at
+/// accept. `control.max_connections_per_uid` may not exceed it.
+pub const MAX_CONNECTIONS: u32 = 4096;
+/// Permission bits `control.socket_mode` may set (no set-id or sticky bits).
+pub const SOCKET_MODE_BITS: u32 = 0o777;
 
 /// Which worker pool a setting or an error is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -135,6 +140,37 @@ pub enum ConfigError {
     DeadlineOutOfRange { key: &'static str, ms: u32 },
 
     #[error(
+        "limits.max_context is {max_context} tokens but one Submit frame carries at most \
+         {max_prompt_bytes} prompt bytes (one token per byte): prompts that long could never \
+         be sent; lower limits.max_context to at most {max_prompt_bytes}"
+    )]
+    ContextExceedsFrame {
+        max_context: u32,
+        max_prompt_bytes: usize,
+    },
+
+    #[error(
+        "control.socket_mode is {mode:#o}; it must be permission bits only (at most 0o777) and \
+         give the owner read and write (0o600)"
+    )]
+    BadSocketMode { mode: u32 },
+
+    #[error("control.socket_group is empty; name a group or a numeric gid, or leave it out")]
+    SocketGroupEmpty,
+
+    #[error(
+        "control.max_connections_per_uid is {count}; it must be between 1 and \
+         {MAX_CONNECTIONS} (kvctld's limit over every uid)"
+    )]
+    BadConnectionLimit { count: u32 },
+
+    #[error(
+        "control.idle_timeout_ms is {ms} ms; it must be 0 (never) or between 1 and \
+         {MAX_DEADLINE_MS} ms"
+    )]
+    IdleTimeoutOutOfRange { ms: u32 },
+
+    #[error(
         "deadlines.request is {request_ms} ms, shorter than deadlines.bootstrap + \
          deadlines.transfer = {bootstrap_ms} + {transfer_ms} = {} ms: no request could finish \
          its KV transfer before its own deadline",
@@ -151,6 +187,9 @@ pub enum ConfigError {
 
     #[error("control.admission_queue is {queued}; at most {MAX_ADMISSION_QUEUE} is allowed")]
     AdmissionQueueTooLong { queued: u32 },
+
+    #[error("worker.id {id:?} is not 1 to 64 bytes of letters, digits and _ . @ : -")]
+    BadWorkerId { id: String },
 
     #[error("control.socket is empty; it must be an absolute path")]
     SocketPathEmpty,
@@ -203,6 +242,9 @@ pub struct Config {
     pub limits: Limits,
     #[serde(default)]
     pub control: Control,
+    /// This worker's identity (prefilld and decoded; kvctld ignores it).
+    #[serde(default)]
+    pub worker: WorkerConfig,
     pub prefill: PoolConfig,
     pub decode: PoolConfig,
     #[serde(default)]
@@ -242,6 +284,62 @@ pub struct Control {
     pub worker_uids: Vec<u32>,
     /// Most requests queued while waiting for temporary pool capacity.
     pub admission_queue: u32,
+    /// How kvctld picks the prefill and decode worker of a request.
+    pub pairing: Pairing,
+    /// Permission bits kvctld gives the socket it binds (not one passed by systemd, whose
+    /// socket unit sets its own). A socket directory kvctld creates gets the search bits of
+    /// the classes this mode lets in.
+    pub socket_mode: u32,
+    /// Group (a name or a numeric gid) kvctld gives the socket it binds, and the socket
+    /// directory it creates; `None` keeps kvctld's own group.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub socket_group: Option<String>,
+    /// A client connection with no request in flight and no frame for this long is closed;
+    /// 0 never closes one. Workers are never closed for being quiet.
+    pub idle_timeout_ms: u32,
+    /// Most connections one uid may hold at once; more from that uid are turned away at
+    /// accept, so that one user cannot take every connection from the others.
+    pub max_connections_per_uid: u32,
+}
+
+impl Control {
+    /// `idle_timeout_ms` as a [`Duration`]; `None` when idle connections are kept.
+    pub fn idle_timeout(&self) -> Option<Duration> {
+        (self.idle_timeout_ms > 0).then(|| ms(self.idle_timeout_ms))
+    }
+}
+
+/// How kvctld picks a (prefill, decode) pair among the workers whose pools can hold a
+/// request now. Draining and lost workers are never picked.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Pairing {
+    /// The worker of each role with the most free pages (ties: fewest requests in flight,
+    /// then the longest since it was last picked).
+    #[default]
+    MostFree,
+    /// The worker of each role with the fewest requests in flight (ties: most free pages).
+    FewestInFlight,
+    /// Two workers of each role drawn at random; the one with more free pages.
+    PowerOfTwo,
+}
+
+/// `[worker]`: who this prefill or decode worker is.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkerConfig {
+    /// The worker's id, unique among the workers of one kvctld: 1 to 64 bytes of
+    /// `[A-Za-z0-9_.@:-]`. `--id` overrides it (the systemd units pass their instance name);
+    /// without either a worker calls itself "prefill" or "decode".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+}
+
+impl WorkerConfig {
+    /// The id to register under: `id`, or the role's name.
+    pub fn id_or(&self, role_default: &str) -> String {
+        self.id.clone().unwrap_or_else(|| role_default.to_owned())
+    }
 }
 
 impl Default for Control {
@@ -252,6 +350,11 @@ impl Default for Control {
             allowed_gids: Vec::new(),
             worker_uids: Vec::new(),
             admission_queue: 1024,
+            pairing: Pairing::default(),
+            socket_mode: 0o660,
+            socket_group: None,
+            idle_timeout_ms: 60_000,
+            max_connections_per_uid: 1024,
         }
     }
 }
@@ -326,8 +429,12 @@ impl PoolConfig {
 pub struct Deadlines {
     /// Longest a request waits in the admission queue for temporary capacity.
     pub admission_wait: u32,
-    /// Longest the prefill/decode pair takes to agree on a transfer.
+    /// Longest the prefill/decode pair takes to agree on a transfer: the decode worker's
+    /// reservation (and each worker's handshake with kvctld).
     pub bootstrap: u32,
+    /// Longest the prefill worker may take to compute a prompt's KV. A prefill past it is
+    /// abandoned, and the worker stops it between chunks.
+    pub prefill: u32,
     /// Longest one KV transfer may take.
     pub transfer: u32,
     /// Longest decoding may take.
@@ -343,6 +450,7 @@ impl Default for Deadlines {
         Deadlines {
             admission_wait: 2000,
             bootstrap: 2000,
+            prefill: 30_000,
             transfer: 5000,
             decode: 30_000,
             request: 60_000,
@@ -356,6 +464,7 @@ impl Default for Deadlines {
 pub struct DeadlineDurations {
     pub admission_wait: Duration,
     pub bootstrap: Duration,
+    pub prefill: Duration,
     pub transfer: Duration,
     pub decode: Duration,
     pub request: Duration,
@@ -372,6 +481,7 @@ impl Deadlines {
         DeadlineDurations {
             admission_wait: self.admission_wait(),
             bootstrap: self.bootstrap(),
+            prefill: self.prefill(),
             transfer: self.transfer(),
             decode: self.decode(),
             request: self.request(),
@@ -385,6 +495,10 @@ impl Deadlines {
 
     pub fn bootstrap(&self) -> Duration {
         ms(self.bootstrap)
+    }
+
+    pub fn prefill(&self) -> Duration {
+        ms(self.prefill)
     }
 
     pub fn transfer(&self) -> Duration {
@@ -403,10 +517,11 @@ impl Deadlines {
         ms(self.drain)
     }
 
-    fn named(&self) -> [(&'static str, u32); 6] {
+    fn named(&self) -> [(&'static str, u32); 7] {
         [
             ("admission_wait", self.admission_wait),
             ("bootstrap", self.bootstrap),
+            ("prefill", self.prefill),
             ("transfer", self.transfer),
             ("decode", self.decode),
             ("request", self.request),
@@ -567,6 +682,7 @@ impl Config {
                 socket,
                 ..Control::default()
             },
+            worker: WorkerConfig::default(),
             prefill: PoolConfig {
                 pool_pages: 1024,
                 poison: PoisonMode::Owner,
@@ -584,6 +700,7 @@ impl Config {
             deadlines: Deadlines {
                 admission_wait: 500,
                 bootstrap: 1000,
+                prefill: 5000,
                 transfer: 2000,
                 decode: 10_000,
                 request: 15_000,
@@ -627,8 +744,20 @@ impl Config {
         for side in [Side::Prefill, Side::Decode] {
             self.validate_pool(side)?;
         }
+        let max_prompt_bytes = crate::proto::MAX_PROMPT_BYTES;
+        if usize::try_from(self.limits.max_context).map_or(true, |c| c > max_prompt_bytes) {
+            return Err(ConfigError::ContextExceedsFrame {
+                max_context: self.limits.max_context,
+                max_prompt_bytes,
+            });
+        }
         validate_deadlines(&self.deadlines)?;
         validate_control(&self.control)?;
+        if let Some(id) = &self.worker.id
+            && !crate::ids::is_valid_worker_id(id)
+        {
+            return Err(ConfigError::BadWorkerId { id: id.clone() });
+        }
         if let Some(rdma) = &self.rdma {
             rdma.validate()?;
         }
@@ -714,6 +843,24 @@ fn validate_control(c: &Control) -> Result<(), ConfigError> {
                 count: ids.len(),
             });
         }
+    }
+    if c.socket_mode & !SOCKET_MODE_BITS != 0 || c.socket_mode & 0o600 != 0o600 {
+        return Err(ConfigError::BadSocketMode {
+            mode: c.socket_mode,
+        });
+    }
+    if c.socket_group.as_deref().is_some_and(str::is_empty) {
+        return Err(ConfigError::SocketGroupEmpty);
+    }
+    if c.max_connections_per_uid == 0 || c.max_connections_per_uid > MAX_CONNECTIONS {
+        return Err(ConfigError::BadConnectionLimit {
+            count: c.max_connections_per_uid,
+        });
+    }
+    if c.idle_timeout_ms > MAX_DEADLINE_MS {
+        return Err(ConfigError::IdleTimeoutOutOfRange {
+            ms: c.idle_timeout_ms,
+        });
     }
     if c.admission_queue > MAX_ADMISSION_QUEUE {
         return Err(ConfigError::AdmissionQueueTooLong {
@@ -937,13 +1084,104 @@ mod tests {
         ));
     }
 
-    /// The remediation: the same context window over a pool of 2.04M tokens.
+    /// The remediation's pools (2.04M tokens) hold the incident's context window, but a
+    /// prompt of 1,048,576 tokens does not fit in one Submit frame: refused with both
+    /// numbers. The largest window a frame carries is accepted over the same pools.
     #[test]
-    fn incident_remediation_pool_is_accepted() {
+    fn incident_remediation_pool_holds_the_window_but_frames_limit_it() {
         let c = llama(1_048_576, 8192, 127_500, 127_500);
         assert_eq!(c.prefill.pool_tokens(&c.geometry), 2_040_000);
-        c.validate().unwrap();
-        Config::from_toml_str(&minimal(16, 1_048_576, 8192, 127_500, 127_500)).unwrap();
+        let err = c.validate().unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ConfigError::ContextExceedsFrame {
+                    max_context: 1_048_576,
+                    max_prompt_bytes: crate::proto::MAX_PROMPT_BYTES,
+                }
+            ),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        assert!(msg.contains("1048576") && msg.contains("524288"), "{msg}");
+        let fits = u32::try_from(crate::proto::MAX_PROMPT_BYTES).unwrap();
+        llama(fits, 8192, 127_500, 127_500).validate().unwrap();
+        Config::from_toml_str(&minimal(16, fits, 8192, 127_500, 127_500)).unwrap();
+        assert!(matches!(
+            llama(fits + 1, 8192, 127_500, 127_500).validate(),
+            Err(ConfigError::ContextExceedsFrame { .. })
+        ));
+    }
+
+    #[test]
+    fn a_config_without_the_prefill_deadline_gets_the_default() {
+        let text = format!(
+            "{}[deadlines]\nbootstrap = 1000\ntransfer = 2000\nrequest = 15000\n",
+            minimal(16, 4096, 256, 1024, 1024)
+        );
+        let c = Config::from_toml_str(&text).unwrap();
+        assert_eq!(c.deadlines.prefill(), Duration::from_secs(30));
+        assert_eq!(c.deadlines.bootstrap(), Duration::from_secs(1));
+        let text = format!(
+            "{}[deadlines]\nprefill = 90000\n",
+            minimal(16, 4096, 256, 1024, 1024)
+        );
+        assert_eq!(
+            Config::from_toml_str(&text).unwrap().deadlines.prefill(),
+            Duration::from_secs(90)
+        );
+    }
+
+    #[test]
+    fn socket_and_connection_settings_are_checked() {
+        let base = llama(4096, 256, 1024, 1024);
+        let check = |f: &dyn Fn(&mut Control)| {
+            let mut c = base.clone();
+            f(&mut c.control);
+            c.validate()
+        };
+        assert_eq!(base.control.socket_mode, 0o660);
+        assert_eq!(base.control.idle_timeout(), Some(Duration::from_secs(60)));
+        for ok in [0o600, 0o660, 0o666, 0o777] {
+            assert!(check(&|c| c.socket_mode = ok).is_ok(), "{ok:#o}");
+        }
+        for bad in [0o4660, 0o1777, 0o060, 0o400, 0o200] {
+            let err = check(&|c| c.socket_mode = bad).unwrap_err();
+            assert!(matches!(err, ConfigError::BadSocketMode { mode } if mode == bad));
+            assert!(err.to_string().contains(&format!("{bad:#o}")), "{err}");
+        }
+        assert!(matches!(
+            check(&|c| c.socket_group = Some(String::new())),
+            Err(ConfigError::SocketGroupEmpty)
+        ));
+        assert!(check(&|c| c.socket_group = Some("kvfence".into())).is_ok());
+        for bad in [0, MAX_CONNECTIONS + 1] {
+            let err = check(&|c| c.max_connections_per_uid = bad).unwrap_err();
+            assert!(matches!(err, ConfigError::BadConnectionLimit { count } if count == bad));
+            assert!(err.to_string().contains("4096"), "{err}");
+        }
+        assert!(check(&|c| c.max_connections_per_uid = MAX_CONNECTIONS).is_ok());
+        assert!(check(&|c| c.idle_timeout_ms = 0).is_ok());
+        assert_eq!(
+            {
+                let mut c = base.control.clone();
+                c.idle_timeout_ms = 0;
+                c.idle_timeout()
+            },
+            None
+        );
+        assert!(matches!(
+            check(&|c| c.idle_timeout_ms = MAX_DEADLINE_MS + 1),
+            Err(ConfigError::IdleTimeoutOutOfRange { .. })
+        ));
+        // TOML's octal integers are the natural spelling of a mode.
+        let text = format!(
+            "{}[control]\nsocket_mode = 0o666\nsocket_group = \"kvfence\"\n",
+            minimal(16, 4096, 256, 1024, 1024)
+        );
+        let c = Config::from_toml_str(&text).unwrap();
+        assert_eq!(c.control.socket_mode, 0o666);
+        assert_eq!(c.control.socket_group.as_deref(), Some("kvfence"));
     }
 
     #[test]
@@ -1151,6 +1389,7 @@ mod tests {
         let keys = [
             "admission_wait",
             "bootstrap",
+            "prefill",
             "transfer",
             "decode",
             "request",
@@ -1174,6 +1413,7 @@ mod tests {
         c.deadlines = Deadlines {
             admission_wait: MAX_DEADLINE_MS,
             bootstrap: 1,
+            prefill: 1,
             transfer: 1,
             decode: MAX_DEADLINE_MS,
             request: MAX_DEADLINE_MS,
@@ -1386,7 +1626,7 @@ mod tests {
         #[test]
         fn accepts_iff_the_page_arithmetic_fits(
             tpp in 1u32..=4096,
-            max_context in 1u32..=u32::MAX,
+            max_context in prop_oneof![1u32..=1 << 20, 1u32..=u32::MAX],
             max_new in 1u32..=u32::MAX,
             prefill_delta in -3i64..=3,
             decode_delta in -3i64..=3,
@@ -1423,6 +1663,12 @@ mod tests {
                     result,
                     Err(ConfigError::PoolTooLarge { side: Side::Decode, .. })
                 ), "{:?}", result),
+                (true, true) if context > crate::proto::MAX_PROMPT_BYTES as u64 => {
+                    prop_assert!(matches!(
+                        result,
+                        Err(ConfigError::ContextExceedsFrame { .. })
+                    ), "{:?}", result)
+                }
                 (true, true) => prop_assert!(result.is_ok(), "{:?}", result),
             }
         }

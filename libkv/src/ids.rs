@@ -54,3 +54,15 @@ impl fmt::Display for Owner {
         write!(f, "{}/gen{}", self.request, self.generation.0)
     }
 }
+
+/// Longest worker id.
+pub const MAX_WORKER_ID_BYTES: usize = 64;
+
+/// Whether `id` can name a worker: 1 to [`MAX_WORKER_ID_BYTES`] bytes of
+/// `[A-Za-z0-9_.@:-]` (a systemd instance name, a host and a GPU index).
+pub fn is_valid_worker_id(id: &str) -> bool {
+    (1..=MAX_WORKER_ID_BYTES).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'@' | b':' | b'-'))
+}

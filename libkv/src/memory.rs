@@ -4,7 +4,14 @@
 //! sealed memfd mapped shared and pre-faulted; a device backend (CUDA) provides no host
 //! mapping and moves bytes through its own copy engine. Pools reach memory only through this
 //! trait, so the page ownership table stays the same whatever holds the bytes.
+//!
+//! A pull from another process's pool ([`ForeignPool::pull`]) copies and digests in one
+//! pass: each page is copied a chunk at a time into decode's own page, and each chunk is
+//! digested from the destination right after its copy, while it is still in L1 (see
+//! [`Landing`]). A large pull can be split over a few threads, each taking a run of pages.
 
+use crate::ids::PageId;
+use crate::pool::Landing;
 use crate::sys::memfd;
 use memmap2::MmapMut;
 use std::fmt;
@@ -118,17 +125,336 @@ impl ForeignPool {
     /// Copies foreign page `page` into `dst` (exactly one page long). Returns `None` when the
     /// page id is out of range or `dst` has the wrong length. The source may change during the
     /// copy (it belongs to another process): callers verify the copy's digest afterwards.
-    pub fn copy_page(&self, page: crate::ids::PageId, dst: &mut [u8]) -> Option<()> {
-        if page.0 >= self.pages || dst.len() as u64 != self.page_bytes {
+    pub fn copy_page(&self, page: PageId, dst: &mut [u8]) -> Option<()> {
+        if dst.len() as u64 != self.page_bytes {
             return None;
         }
-        let off = usize::try_from(u64::from(page.0) * self.page_bytes).ok()?;
+        self.copy_from_page(page, 0, dst)
+    }
+
+    /// Copies bytes `offset .. offset + dst.len()` of foreign page `page` into `dst`. Returns
+    /// `None` when the page id is out of range or the bytes are not all inside the page.
+    pub fn copy_from_page(&self, page: PageId, offset: usize, dst: &mut [u8]) -> Option<()> {
+        let end = offset.checked_add(dst.len())?;
+        if page.0 >= self.pages || end as u64 > self.page_bytes {
+            return None;
+        }
+        let start = usize::try_from(u64::from(page.0) * self.page_bytes).ok()? + offset;
         let src = self.map.as_ptr();
-        // SAFETY: `off + dst.len()` is within the mapping (page < pages and the mapping is
-        // pages * page_bytes long, sealed against shrinking). The source bytes may be written
-        // concurrently by the owning process; we copy them as plain bytes without forming a
-        // reference and treat the result as untrusted until its digest is checked.
-        unsafe { std::ptr::copy_nonoverlapping(src.add(off), dst.as_mut_ptr(), dst.len()) };
+        // SAFETY: `start + dst.len()` is within the mapping (page < pages, offset + len within
+        // the page, and the mapping is pages * page_bytes long, sealed against shrinking). The
+        // source bytes may be written concurrently by the owning process; we copy them as
+        // plain bytes without forming a reference and treat the result as untrusted until
+        // its digest is checked.
+        unsafe { std::ptr::copy_nonoverlapping(src.add(start), dst.as_mut_ptr(), dst.len()) };
         Some(())
+    }
+
+    /// Pulls foreign `pages`, in order, into `landing` (one landing page per foreign page, of
+    /// the same size), on up to `threads` threads (1: this one only): each page is copied
+    /// [`PULL_CHUNK`] bytes at a time and each chunk digested from the destination right
+    /// after its copy. `keep_going` is asked between pages (on every thread); when it says
+    /// stop, the pull ends with [`PullError::Stopped`] once every thread has finished its
+    /// page.
+    pub fn pull(
+        &self,
+        pages: &[PageId],
+        mut landing: Landing<'_>,
+        threads: usize,
+        keep_going: &(dyn Fn() -> bool + Sync),
+    ) -> Result<(), PullError> {
+        if landing.pages() != pages.len() {
+            return Err(PullError::Count {
+                pages: pages.len(),
+                landing: landing.pages(),
+            });
+        }
+        let threads = threads.clamp(1, pages.len().max(1));
+        if threads == 1 {
+            return self.pull_run(pages, &mut landing, keep_going, None);
+        }
+        // Runs of consecutive manifest pages, one per thread; this thread takes the first.
+        let per = pages.len().div_ceil(threads);
+        let mut parts = Vec::with_capacity(threads);
+        for t in (1..threads).rev() {
+            let at = (t * per).min(pages.len());
+            if let Some(part) = landing.split_off(at) {
+                parts.push((at, part));
+            }
+        }
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let going = || !stop.load(std::sync::atomic::Ordering::Relaxed) && keep_going();
+        std::thread::scope(|scope| {
+            let mut helpers = Vec::with_capacity(parts.len());
+            let mut end = pages.len();
+            for (at, mut part) in parts {
+                let run = &pages[at..end];
+                end = at;
+                let (going, stop) = (&going, &stop);
+                helpers.push(scope.spawn(move || {
+                    let r = self.pull_run(run, &mut part, going, Some(stop));
+                    drop(part);
+                    r
+                }));
+            }
+            let mut result = self.pull_run(&pages[..end], &mut landing, &going, Some(&stop));
+            for h in helpers {
+                let r = h.join().unwrap_or(Err(PullError::Stopped));
+                // The first failure in manifest order matters least; any failure fails.
+                if result.is_ok() {
+                    result = r;
+                }
+            }
+            result
+        })
+    }
+
+    /// One thread's run of a pull. On failure sets `stop` so the other threads end too.
+    fn pull_run(
+        &self,
+        pages: &[PageId],
+        landing: &mut Landing<'_>,
+        keep_going: &(dyn Fn() -> bool + Sync),
+        stop: Option<&std::sync::atomic::AtomicBool>,
+    ) -> Result<(), PullError> {
+        let result = (|| {
+            let page_len = usize::try_from(self.page_bytes).unwrap_or(usize::MAX);
+            for (i, &page) in pages.iter().enumerate() {
+                if !keep_going() {
+                    return Err(PullError::Stopped);
+                }
+                if page.0 >= self.pages {
+                    return Err(PullError::OutOfRange {
+                        page,
+                        pages: self.pages,
+                    });
+                }
+                if landing.current_len() != Some(page_len) {
+                    return Err(PullError::PageSize {
+                        index: i,
+                        page_bytes: self.page_bytes,
+                    });
+                }
+                let mut offset = 0;
+                while offset < page_len {
+                    let n = landing.fill(PULL_CHUNK, |dst| {
+                        self.copy_from_page(page, offset, dst)
+                            .map(|()| dst.len())
+                            .ok_or(PullError::OutOfRange {
+                                page,
+                                pages: self.pages,
+                            })
+                    })?;
+                    offset += n;
+                }
+            }
+            Ok(())
+        })();
+        if let (Err(_), Some(stop)) = (&result, stop) {
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        result
+    }
+}
+
+/// Bytes a pull copies, then digests, at a time: small enough that the digest reads the
+/// chunk from L1 right after the copy wrote it.
+pub const PULL_CHUNK: usize = 4096;
+
+/// Why a pull from a foreign pool stopped.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PullError {
+    #[error("{page} is outside the prefill pool of {pages} pages")]
+    OutOfRange { page: PageId, pages: u32 },
+    #[error("destination page {index} is not {page_bytes} bytes long, as the prefill pages are")]
+    PageSize { index: usize, page_bytes: u64 },
+    #[error("{pages} pages to pull into a landing of {landing}")]
+    Count { pages: usize, landing: usize },
+    #[error("stopped")]
+    Stopped,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::{Dtype, PageGeometry};
+    use crate::ids::{Generation, Owner, RequestId};
+    use crate::pool::{PagePool, PoolOptions};
+    use crate::verify::{Manifest, VerifyError, page_digest};
+
+    /// 16 KiB pages: four pull chunks each.
+    fn geometry() -> PageGeometry {
+        PageGeometry {
+            tokens_per_page: 16,
+            layers: 1,
+            kv_heads: 1,
+            head_dim: 256,
+            dtype: Dtype::Bf16,
+        }
+    }
+
+    fn owner(r: u64) -> Owner {
+        Owner {
+            request: RequestId(r),
+            generation: Generation(1),
+        }
+    }
+
+    /// A prefill pool of `pages` pages with distinct contents, its writable mapping (what
+    /// prefill itself may change at any time) and decode's read-only map of it.
+    fn prefill(pages: u32) -> (HostMemory, MmapMut, ForeignPool) {
+        let g = geometry();
+        let len = g.bytes_per_page() * u64::from(pages);
+        let mem = HostMemory::new(c"kvtest-prefill", len).unwrap();
+        let mut w = memfd::map_rw(mem.share_fd().unwrap(), len).unwrap();
+        for (i, b) in w.iter_mut().enumerate() {
+            *b = u8::try_from((i * 7 + i / 4096) % 251).unwrap();
+        }
+        let ro = mem.read_only_fd().unwrap();
+        let foreign = ForeignPool::map(ro.as_fd(), g.bytes_per_page(), pages).unwrap();
+        (mem, w, foreign)
+    }
+
+    fn digest_of(w: &MmapMut, page: u32) -> u32 {
+        let len = usize::try_from(geometry().bytes_per_page()).unwrap();
+        let at = usize::try_from(page).unwrap() * len;
+        page_digest(&w[at..at + len])
+    }
+
+    #[test]
+    fn a_fused_pull_verifies_from_the_digests_it_landed() {
+        let (_mem, w, foreign) = prefill(64);
+        let g = geometry();
+        let decode = PagePool::host(c"kvtest-decode", g, 64, PoolOptions::default()).unwrap();
+        for threads in [1, 2, 3] {
+            let src: Vec<PageId> = (0..40).rev().map(PageId).collect();
+            let tokens = 40 * g.tokens_per_page;
+            let mut res = decode.reserve(owner(threads as u64), tokens, 0).unwrap();
+            {
+                let mut grant = res.grant_write().unwrap();
+                let landing = grant.landing(0..src.len()).unwrap();
+                foreign.pull(&src, landing, threads, &|| true).unwrap();
+            }
+            let m = Manifest {
+                owner: res.owner(),
+                tokens,
+                digests: src.iter().map(|p| digest_of(&w, p.0)).collect(),
+                pages: src.clone(),
+            };
+            let kv = res.verify(&m).unwrap();
+            for (i, p) in src.iter().enumerate() {
+                assert_eq!(page_digest(kv.page(i).unwrap()), m.digests[i], "page {p}");
+            }
+        }
+    }
+
+    /// Pulls foreign page 2 into a fresh one-page reservation the way [`ForeignPool::pull`]
+    /// does, a chunk at a time, calling `between` after the first chunk has landed.
+    fn pull_chunks(
+        decode: &PagePool,
+        foreign: &ForeignPool,
+        id: u64,
+        between: impl FnOnce(),
+    ) -> crate::pool::Reservation {
+        let g = geometry();
+        let mut res = decode.reserve(owner(id), g.tokens_per_page, 0).unwrap();
+        let mut grant = res.grant_write().unwrap();
+        let mut landing = grant.landing(0..1).unwrap();
+        let mut between = Some(between);
+        let mut offset = 0;
+        while !landing.is_full() {
+            offset += landing
+                .fill(PULL_CHUNK, |dst| {
+                    foreign
+                        .copy_from_page(PageId(2), offset, dst)
+                        .map(|()| dst.len())
+                        .ok_or(())
+                })
+                .unwrap();
+            if let Some(f) = between.take() {
+                f();
+            }
+        }
+        drop(landing);
+        drop(grant);
+        res
+    }
+
+    #[test]
+    fn a_page_altered_between_chunks_of_the_fused_copy_fails_verification() {
+        let (_mem, w, foreign) = prefill(4);
+        let w = std::cell::RefCell::new(w);
+        let g = geometry();
+        let page_len = usize::try_from(g.bytes_per_page()).unwrap();
+        assert!(page_len >= 4 * PULL_CHUNK);
+        let decode = PagePool::host(c"kvtest-decode", g, 4, PoolOptions::default()).unwrap();
+        let at = 2 * page_len;
+        let original = (w.borrow()[at + 5], w.borrow()[at + 3 * PULL_CHUNK + 9]);
+        // Prefill rewrites the page (reused too early, or a bug) after the first chunk was
+        // copied: a byte in the part already copied and one in a part still to come.
+        let alter = |on: bool| {
+            let mut w = w.borrow_mut();
+            let (a, b) = if on {
+                (!original.0, !original.1)
+            } else {
+                original
+            };
+            w[at + 5] = a;
+            w[at + 3 * PULL_CHUNK + 9] = b;
+        };
+        let before = digest_of(&w.borrow(), 2);
+        alter(true);
+        let after = digest_of(&w.borrow(), 2);
+        assert_ne!(before, after);
+        let manifest = |id, digest| Manifest {
+            owner: owner(id),
+            tokens: g.tokens_per_page,
+            pages: vec![PageId(2)],
+            digests: vec![digest],
+        };
+        // What landed is neither the page as prefill digested it nor the page as it is now.
+        for (id, digest) in [(1, before), (2, after)] {
+            alter(false);
+            let res = pull_chunks(&decode, &foreign, id, || alter(true));
+            let landed = res.with_table(|t| t.landed(res.pages()[0]));
+            assert!(landed.is_some(), "the landing recorded its digest");
+            let r = res.verify(&manifest(id, digest));
+            assert!(
+                matches!(r, Err(VerifyError::Digest { index: 0, .. })),
+                "{r:?}"
+            );
+            assert_eq!(decode.usage().free, 4, "a failed verify frees the pages");
+        }
+        // The same pull with nothing altered verifies: the failures above are the tear.
+        alter(false);
+        let res = pull_chunks(&decode, &foreign, 3, || {});
+        res.verify(&manifest(3, before)).unwrap();
+    }
+
+    #[test]
+    fn a_pull_refuses_what_it_cannot_land_and_stops_when_asked() {
+        let (_mem, _w, foreign) = prefill(4);
+        let g = geometry();
+        let decode = PagePool::host(c"kvtest-decode", g, 8, PoolOptions::default()).unwrap();
+        let mut res = decode.reserve(owner(1), 2 * g.tokens_per_page, 0).unwrap();
+        let mut grant = res.grant_write().unwrap();
+        let r = foreign.pull(&[PageId(0)], grant.landing(0..2).unwrap(), 1, &|| true);
+        assert!(matches!(r, Err(PullError::Count { .. })), "{r:?}");
+        let r = foreign.pull(
+            &[PageId(0), PageId(4)],
+            grant.landing(0..2).unwrap(),
+            1,
+            &|| true,
+        );
+        assert!(matches!(r, Err(PullError::OutOfRange { .. })), "{r:?}");
+        for threads in [1, 2] {
+            let r = foreign.pull(
+                &[PageId(0), PageId(1)],
+                grant.landing(0..2).unwrap(),
+                threads,
+                &|| false,
+            );
+            assert_eq!(r, Err(PullError::Stopped));
+        }
     }
 }

@@ -88,6 +88,19 @@ pub trait ModelRunner: Send + Sync + std::fmt::Debug {
     /// Writes the KV of every prompt token into the grant's pages, zeroing unused slots of
     /// the last page so that no stale byte leaves the pool.
     fn prefill(&self, prompt: &[u32], grant: &mut WriteGrant) -> Result<(), ModelError>;
+    /// [`ModelRunner::prefill`] in chunks of one page: before each page after the first it
+    /// asks `keep_going` (given the tokens written so far) and stops when it answers `false`,
+    /// returning `Ok(false)`; the pages are then partly written and must not be handed out.
+    /// The default runs the whole prefill at once.
+    fn prefill_chunked(
+        &self,
+        prompt: &[u32],
+        grant: &mut WriteGrant,
+        keep_going: &mut dyn FnMut(usize) -> bool,
+    ) -> Result<bool, ModelError> {
+        let _ = keep_going;
+        self.prefill(prompt, grant).map(|()| true)
+    }
     /// The token decode step `step` emits, attending over `kv`.
     fn next_token(&self, kv: &dyn KvRead, step: u32, prompt_len: u32) -> Result<u32, ModelError>;
     /// Writes the KV of `token` at position `pos` into slot `slot` of `page`.
@@ -192,6 +205,15 @@ impl ReferenceModel {
 
 impl ModelRunner for ReferenceModel {
     fn prefill(&self, prompt: &[u32], grant: &mut WriteGrant) -> Result<(), ModelError> {
+        self.prefill_chunked(prompt, grant, &mut |_| true).map(drop)
+    }
+
+    fn prefill_chunked(
+        &self,
+        prompt: &[u32],
+        grant: &mut WriteGrant,
+        keep_going: &mut dyn FnMut(usize) -> bool,
+    ) -> Result<bool, ModelError> {
         let tpp = u64::from(self.g.tokens_per_page);
         let pages = grant.pages().len();
         if let Some(last) = pages.checked_sub(1) {
@@ -201,12 +223,15 @@ impl ModelRunner for ReferenceModel {
             if tok > 0xFF {
                 return Err(ModelError::BadToken(tok));
             }
-            let index = usize::try_from(pos / tpp).unwrap_or(usize::MAX);
             let slot = u32::try_from(pos % tpp).unwrap_or(0);
+            if pos > 0 && slot == 0 && !keep_going(usize::try_from(pos).unwrap_or(usize::MAX)) {
+                return Ok(false);
+            }
+            let index = usize::try_from(pos / tpp).unwrap_or(usize::MAX);
             let page = grant.page_mut(index).map_err(ModelError::Pool)?;
             self.write_token(page, slot, tok, pos);
         }
-        Ok(())
+        Ok(true)
     }
 
     fn next_token(&self, kv: &dyn KvRead, step: u32, prompt_len: u32) -> Result<u32, ModelError> {

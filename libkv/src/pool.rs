@@ -22,6 +22,7 @@ use crate::config::{PoisonMode, Scrub};
 use crate::geometry::PageGeometry;
 use crate::ids::{Owner, PageId};
 use crate::memory::PoolMemory;
+use crate::sys::digest::Crc32c;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -46,6 +47,9 @@ struct Slot {
     state: PageState,
     owner: Option<Owner>,
     writers: u32,
+    /// The digest of the page's bytes, computed as they landed by the last writer's
+    /// [`Landing`], if that writer wrote the whole page that way and nothing else since.
+    landed: Option<u32>,
 }
 
 /// Page counts per state.
@@ -176,7 +180,8 @@ impl PagePool {
             Slot {
                 state: PageState::Free,
                 owner: None,
-                writers: 0
+                writers: 0,
+                landed: None,
             };
             pages as usize
         ];
@@ -283,6 +288,7 @@ impl PagePool {
             debug_assert_eq!(s.state, PageState::Free);
             s.owner = Some(owner);
             s.writers = 0;
+            s.landed = None;
             t.set(p, PageState::Reserved);
         }
         drop(t);
@@ -348,6 +354,7 @@ impl PoolInner {
     /// Frees one page whose last holder has gone. Table lock held by the caller.
     fn free_page(&self, t: &mut Table, page: PageId) {
         let owner = t.slots[page.index()].owner.take();
+        t.slots[page.index()].landed = None;
         self.wipe(page, owner);
         t.set(page, PageState::Free);
         t.free.push(page);
@@ -442,7 +449,10 @@ impl Reservation {
             }
         }
         for &p in &self.pages[..n] {
-            t.slots[p.index()].writers += 1;
+            let s = &mut t.slots[p.index()];
+            s.writers += 1;
+            // A new writer may change the page: what the last one landed no longer counts.
+            s.landed = None;
             t.set(p, PageState::Writing);
         }
         drop(t);
@@ -451,6 +461,7 @@ impl Reservation {
             pool: self.pool.clone(),
             owner: self.owner,
             pages: self.pages[..n].to_vec(),
+            landed: vec![None; n],
         })
     }
 
@@ -543,6 +554,13 @@ impl TableView<'_> {
     pub(crate) fn make_readable(&mut self, page: PageId) {
         self.table.set(page, PageState::Readable);
     }
+
+    /// The digest `page`'s last writer computed as its bytes landed, if it did and the view's
+    /// owner owns the page.
+    pub(crate) fn landed(&self, page: PageId) -> Option<u32> {
+        let s = self.table.slots.get(page.index())?;
+        (s.owner == Some(self.owner)).then_some(s.landed).flatten()
+    }
 }
 
 impl Drop for Reservation {
@@ -573,6 +591,9 @@ pub struct WriteGrant {
     pool: PagePool,
     owner: Owner,
     pages: Vec<PageId>,
+    /// Per grant page, the digest a [`Landing`] computed as the whole page landed; cleared
+    /// whenever the page is handed out for writing any other way.
+    landed: Vec<Option<u32>>,
 }
 
 impl fmt::Debug for WriteGrant {
@@ -605,6 +626,7 @@ impl WriteGrant {
             pages: self.pages.len(),
         })?;
         let ptr = self.pool.inner.page_ptr(page)?;
+        self.landed[index] = None;
         // SAFETY: the table records this grant as the only writer of `page` (grant_pages refuses
         // a second grant, and only the owner's reservation could make one), nobody reads it
         // before verification, and `&mut self` keeps this slice unique within the grant.
@@ -630,7 +652,255 @@ impl WriteGrant {
             // keeps them the only ones for as long as they live.
             out.push(unsafe { std::slice::from_raw_parts_mut(ptr, self.pool.inner.page_bytes) });
         }
+        self.landed[range].fill(None);
         Ok(out)
+    }
+
+    /// Grant pages `range`, to be filled in order by a transfer that digests every byte as it
+    /// lands (see [`Landing`]). What the landing digests is what verification compares with
+    /// the manifest, so the pages are not read a second time; a page the landing does not
+    /// complete, or that is written any other way afterwards, is digested by verification
+    /// from the pool as before.
+    pub fn landing(&mut self, range: std::ops::Range<usize>) -> Result<Landing<'_>, PoolError> {
+        let page_bytes = self.pool.inner.page_bytes;
+        let count = range.len();
+        if self.pages.get(range.clone()).is_none() {
+            return Err(PoolError::OutOfGrant {
+                index: range.end,
+                pages: self.pages.len(),
+            });
+        }
+        let mut pages = Vec::with_capacity(count);
+        for &page in &self.pages[range.clone()] {
+            let ptr = self.pool.inner.page_ptr(page)?;
+            // SAFETY: as in `pages_mut`: distinct pages this grant alone may write, borrowed
+            // through `&mut self` for as long as the landing lives.
+            pages.push(unsafe { std::slice::from_raw_parts_mut(ptr, page_bytes) });
+        }
+        let slots = &mut self.landed[range];
+        slots.fill(None);
+        Ok(Landing::new(pages, Some(slots)))
+    }
+}
+
+/// Where a transfer puts a run of pages: the pages are filled in order, and every byte is
+/// digested (crc32c, [`page_digest`](crate::verify::page_digest)) right after it lands,
+/// while it is still in the CPU's cache, from the bytes in the destination page itself
+/// (never from the source, which may change after the copy). When a page is complete its
+/// digest goes to the grant, and [`Reservation::verify`] compares that digest with the
+/// manifest instead of reading the page again.
+///
+/// A writer gets only the bytes not yet landed, and bytes it reports landed are digested
+/// at once and never handed out again, so every digest is of a page's final contents.
+#[must_use = "a landing fills nothing until it is used"]
+pub struct Landing<'a> {
+    pages: Vec<&'a mut [u8]>,
+    /// Where each page's digest goes (none for buffers outside a pool: nothing digested).
+    slots: Option<&'a mut [Option<u32>]>,
+    /// The page being filled, and how many of its bytes have landed.
+    page: usize,
+    filled: usize,
+    crc: Crc32c,
+}
+
+impl fmt::Debug for Landing<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Landing")
+            .field("pages", &self.pages.len())
+            .field("page", &self.page)
+            .field("filled", &self.filled)
+            .field("digested", &self.slots.is_some())
+            .finish()
+    }
+}
+
+impl<'a> Landing<'a> {
+    fn new(pages: Vec<&'a mut [u8]>, slots: Option<&'a mut [Option<u32>]>) -> Self {
+        let mut l = Landing {
+            pages,
+            slots,
+            page: 0,
+            filled: 0,
+            crc: Crc32c::new(0),
+        };
+        l.skip_empty();
+        l
+    }
+
+    /// A landing over plain buffers (tests, benchmarks, a peer's bytes not bound for a
+    /// pool): filled in order like any other, nothing digested or kept.
+    pub fn untracked(pages: Vec<&'a mut [u8]>) -> Self {
+        Self::new(pages, None)
+    }
+
+    /// Pages in the landing.
+    pub fn pages(&self) -> usize {
+        self.pages.len()
+    }
+
+    /// Whether every byte of every page has landed.
+    pub fn is_full(&self) -> bool {
+        self.page >= self.pages.len()
+    }
+
+    /// The index of the page being filled (`pages()` once full).
+    pub fn current_page(&self) -> usize {
+        self.page
+    }
+
+    /// The length of the page being filled (`None` once full).
+    pub fn current_len(&self) -> Option<usize> {
+        self.pages.get(self.page).map(|p| p.len())
+    }
+
+    /// Bytes still to land.
+    pub fn remaining(&self) -> usize {
+        let rest: usize = self.pages.iter().skip(self.page).map(|p| p.len()).sum();
+        rest - self.filled
+    }
+
+    /// Lends `fill` the next at most `max` bytes of the page being filled; `fill` returns
+    /// how many of them, from the start, it wrote. Those are digested at once. Returns that
+    /// count (0 once full, without calling `fill`). A count above what was lent is an error
+    /// of the caller and counts as what was lent.
+    pub fn fill<E>(
+        &mut self,
+        max: usize,
+        fill: impl FnOnce(&mut [u8]) -> Result<usize, E>,
+    ) -> Result<usize, E> {
+        let Some(page) = self.pages.get_mut(self.page) else {
+            return Ok(0);
+        };
+        let end = page.len().min(self.filled.saturating_add(max));
+        let lent = &mut page[self.filled..end];
+        let n = fill(lent)?.min(end - self.filled);
+        self.landed(n);
+        Ok(n)
+    }
+
+    /// Lends `fill` the next at most `max` bytes, across pages, as vectored-I/O buffers;
+    /// `fill` returns how many bytes it wrote from the start of them. Those are digested at
+    /// once (page by page). Returns that count (0 once full, without calling `fill`).
+    pub fn fill_vectored<E>(
+        &mut self,
+        max: usize,
+        fill: impl FnOnce(&mut [std::io::IoSliceMut<'_>]) -> Result<usize, E>,
+    ) -> Result<usize, E> {
+        if self.is_full() || max == 0 {
+            return Ok(0);
+        }
+        let mut lent = 0usize;
+        let mut bufs = Vec::new();
+        let mut from = self.filled;
+        for page in &mut self.pages[self.page..] {
+            if lent >= max {
+                break;
+            }
+            let end = page.len().min(from.saturating_add(max - lent));
+            lent += end - from;
+            bufs.push(std::io::IoSliceMut::new(&mut page[from..end]));
+            from = 0;
+        }
+        let n = fill(&mut bufs)?.min(lent);
+        drop(bufs);
+        self.landed(n);
+        Ok(n)
+    }
+
+    /// Splits off pages `at..` into a landing of their own (to fill them on another thread).
+    /// `None` if any of them has started to land or `at` is past the end.
+    pub fn split_off(&mut self, at: usize) -> Option<Landing<'a>> {
+        if at > self.pages.len() || (self.page > at) || (self.page == at && self.filled > 0) {
+            return None;
+        }
+        let pages = self.pages.split_off(at);
+        let slots = match self.slots.take() {
+            Some(s) => {
+                let (mine, theirs) = s.split_at_mut(at);
+                self.slots = Some(mine);
+                Some(theirs)
+            }
+            None => None,
+        };
+        self.skip_empty();
+        Some(Landing::new(pages, slots))
+    }
+
+    /// For a transfer the CPU does not perform (RDMA): every page whole, to hand to the
+    /// device, and what records each one once the device reports it landed. `None` if a
+    /// byte has landed already.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) fn into_device(self) -> Option<(Vec<&'a mut [u8]>, DeviceLanded<'a>)> {
+        if self.page > 0 || self.filled > 0 {
+            return None;
+        }
+        let expected = self
+            .pages
+            .iter()
+            .map(|p| (p.as_ptr() as usize, p.len()))
+            .collect();
+        Some((
+            self.pages,
+            DeviceLanded {
+                expected,
+                slots: self.slots,
+            },
+        ))
+    }
+
+    /// `n` more bytes of the pages have landed: digests them, and records each page that is
+    /// complete.
+    fn landed(&mut self, mut n: usize) {
+        while n > 0 {
+            let page = &self.pages[self.page];
+            let take = n.min(page.len() - self.filled);
+            if self.slots.is_some() {
+                self.crc.update(&page[self.filled..self.filled + take]);
+            }
+            self.filled += take;
+            n -= take;
+            if self.filled == page.len() {
+                self.finish_page();
+            }
+        }
+        self.skip_empty();
+    }
+
+    fn finish_page(&mut self) {
+        let crc = std::mem::take(&mut self.crc);
+        if let Some(slot) = self.slots.as_mut().and_then(|s| s.get_mut(self.page)) {
+            *slot = Some(crc.value());
+        }
+        self.page += 1;
+        self.filled = 0;
+    }
+
+    /// Pages of no bytes are complete as soon as they are reached.
+    fn skip_empty(&mut self) {
+        while self.pages.get(self.page).is_some_and(|p| p.is_empty()) {
+            self.finish_page();
+        }
+    }
+}
+
+/// Records the pages of a [`Landing`] a device filled, one by one as it reports them landed.
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+pub(crate) struct DeviceLanded<'a> {
+    /// Address and length of each page.
+    expected: Vec<(usize, usize)>,
+    slots: Option<&'a mut [Option<u32>]>,
+}
+
+impl<'a> DeviceLanded<'a> {
+    /// Page `index` has landed: digests its bytes and records the digest. The page is given
+    /// back for good, so nothing can write it after the digest; a slice that is not that
+    /// page records nothing (verification then digests the page from the pool).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) fn landed(&mut self, index: usize, page: &'a mut [u8]) {
+        let ok = self.expected.get(index) == Some(&(page.as_ptr() as usize, page.len()));
+        if let Some(slot) = self.slots.as_mut().and_then(|s| s.get_mut(index)) {
+            *slot = ok.then(|| crate::verify::page_digest(page));
+        }
     }
 }
 
@@ -638,10 +908,11 @@ impl Drop for WriteGrant {
     fn drop(&mut self) {
         let inner = &self.pool.inner;
         let mut t = inner.lock();
-        for &p in &self.pages {
+        for (&p, &landed) in self.pages.iter().zip(&self.landed) {
             let s = &mut t.slots[p.index()];
             debug_assert_eq!(s.owner, Some(self.owner));
             s.writers = s.writers.saturating_sub(1);
+            s.landed = landed;
             let (writers, state) = (s.writers, s.state);
             if writers == 0 {
                 match state {
@@ -695,5 +966,158 @@ mod tests {
         }
         assert!(grant.pages_mut(n - 1..n + 1).is_err());
         assert_eq!(grant.pages_mut(0..n).unwrap().len(), n);
+    }
+
+    fn landing_pool() -> (PagePool, Reservation) {
+        let geometry = PageGeometry {
+            tokens_per_page: 4,
+            layers: 1,
+            kv_heads: 1,
+            head_dim: 64,
+            dtype: Dtype::Bf16,
+        };
+        let pool = PagePool::host(c"kvtest-landing", geometry, 8, PoolOptions::default()).unwrap();
+        let owner = Owner {
+            request: RequestId(1),
+            generation: Generation(1),
+        };
+        let res = pool.reserve(owner, 16, 16).unwrap();
+        (pool, res)
+    }
+
+    fn landed(res: &Reservation) -> Vec<Option<u32>> {
+        res.with_table(|t| res.pages().iter().map(|&p| t.landed(p)).collect())
+    }
+
+    #[test]
+    fn a_landing_digests_every_page_as_its_last_byte_lands() {
+        let (pool, mut res) = landing_pool();
+        let page = pool.page_bytes();
+        let stream: Vec<u8> = (0..4 * page)
+            .map(|i| u8::try_from(i % 253).unwrap())
+            .collect();
+        {
+            let mut grant = res.grant_write().unwrap();
+            let mut landing = grant.landing(0..4).unwrap();
+            assert_eq!(landing.remaining(), 4 * page);
+            // Reads of odd sizes across page boundaries, some short of what was lent.
+            let mut at = 0;
+            for (max, take) in [
+                (100, 100),
+                (page, 7),
+                (3 * page, 2 * page),
+                (usize::MAX, page),
+            ] {
+                let n = landing
+                    .fill_vectored(max, |bufs| {
+                        let mut left = take;
+                        for b in bufs.iter_mut() {
+                            let k = b.len().min(left);
+                            b[..k].copy_from_slice(&stream[at..at + k]);
+                            at += k;
+                            left -= k;
+                        }
+                        Ok::<_, ()>(take - left)
+                    })
+                    .unwrap();
+                assert!(n <= take);
+            }
+            while !landing.is_full() {
+                landing
+                    .fill(64, |dst| {
+                        dst.copy_from_slice(&stream[at..at + dst.len()]);
+                        at += dst.len();
+                        Ok::<_, ()>(dst.len())
+                    })
+                    .unwrap();
+            }
+            assert_eq!(at, stream.len());
+        }
+        let want: Vec<Option<u32>> = stream
+            .chunks(page)
+            .map(|p| Some(crate::verify::page_digest(p)))
+            .collect();
+        assert_eq!(landed(&res), want);
+    }
+
+    #[test]
+    fn writing_a_page_any_other_way_forgets_what_landed() {
+        let (pool, mut res) = landing_pool();
+        let page = pool.page_bytes();
+        let fill_all = |grant: &mut WriteGrant| {
+            let mut landing = grant.landing(0..4).unwrap();
+            while !landing.is_full() {
+                landing.fill(page, |d| Ok::<_, ()>(d.len())).unwrap();
+            }
+        };
+        {
+            let mut grant = res.grant_write().unwrap();
+            fill_all(&mut grant);
+            grant.page_mut(1).unwrap()[0] = 1;
+            drop(grant.pages_mut(3..4).unwrap());
+        }
+        let l = landed(&res);
+        assert!(l[0].is_some() && l[2].is_some(), "{l:?}");
+        assert_eq!((l[1], l[3]), (None, None));
+        // A new grant may change every page again: nothing landed counts any more.
+        {
+            let mut grant = res.grant_write().unwrap();
+            assert!(landed(&res).iter().all(Option::is_none));
+            fill_all(&mut grant);
+            // a landing that is begun again starts from scratch, and one not finished
+            // records nothing
+            let mut again = grant.landing(2..4).unwrap();
+            again.fill(10, |d| Ok::<_, ()>(d.len())).unwrap();
+        }
+        let l = landed(&res);
+        assert!(l[0].is_some() && l[1].is_some(), "{l:?}");
+        assert_eq!((l[2], l[3]), (None, None));
+        drop(res);
+        assert_eq!(pool.usage().free, 8);
+    }
+
+    #[test]
+    fn split_landings_fill_disjoint_pages_and_plain_buffers_keep_no_digest() {
+        let (pool, mut res) = landing_pool();
+        let page = pool.page_bytes();
+        {
+            let mut grant = res.grant_write().unwrap();
+            let mut first = grant.landing(0..4).unwrap();
+            let mut second = first.split_off(1).unwrap();
+            let mut third = second.split_off(2).unwrap();
+            assert_eq!((first.pages(), second.pages(), third.pages()), (1, 2, 1));
+            for (k, l) in [&mut first, &mut second, &mut third]
+                .into_iter()
+                .enumerate()
+            {
+                while !l.is_full() {
+                    l.fill(page, |d| {
+                        d.fill(u8::try_from(k).unwrap());
+                        Ok::<_, ()>(d.len())
+                    })
+                    .unwrap();
+                }
+            }
+            // a landing that has begun cannot give away its current page
+            let mut l = grant.landing(0..2).unwrap();
+            l.fill(1, |d| Ok::<_, ()>(d.len())).unwrap();
+            assert!(l.split_off(0).is_none());
+            assert!(l.split_off(3).is_none());
+        }
+        assert!(landed(&res)[2..].iter().all(Option::is_some));
+        let mut bufs = [vec![0u8; 3], vec![0u8; 0], vec![0u8; 2]];
+        let mut plain = Landing::untracked(bufs.iter_mut().map(Vec::as_mut_slice).collect());
+        assert_eq!(plain.remaining(), 5);
+        let n = plain
+            .fill_vectored(usize::MAX, |b| {
+                assert_eq!(b.len(), 3);
+                b[0].fill(7);
+                b[2][0] = 8;
+                Ok::<_, ()>(4)
+            })
+            .unwrap();
+        assert_eq!((n, plain.remaining(), plain.current_page()), (4, 1, 2));
+        drop(plain);
+        assert_eq!(bufs, [vec![7, 7, 7], vec![], vec![8, 0]]);
     }
 }

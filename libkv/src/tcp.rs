@@ -7,6 +7,7 @@
 
 use crate::Owner;
 use crate::ids::PageId;
+use crate::pool::Landing;
 use crate::proto::{
     self, ErrorCode, HEADER_LEN, Header, Message, MsgType, PageData, PageRequest, ProtoError,
     TOKEN_BYTES,
@@ -170,7 +171,9 @@ pub fn write_frame(
 }
 
 /// Decode's side: asks for `pages` of `owner` on `stream` and reads them straight into
-/// `dst`'s pages (each exactly `page_bytes` long), a batch per vectored read, checking
+/// `dst`'s pages (each exactly `page_bytes` long) with vectored reads of at most
+/// [`READ_CHUNK`] bytes, digesting what each read delivered right after it (the bytes are
+/// still in the cache the kernel's copy left them in; see [`Landing`]), checking
 /// `keep_going` between batches and while the socket is silent. Every `PageData` is checked
 /// (owner, next index, whole pages, none past the end) before a byte of its pages is read.
 /// On any error the stream must be dropped.
@@ -235,12 +238,44 @@ pub fn fetch_pages(
             return Err(bad());
         }
         let count = count as usize;
-        let mut bufs = dst.pages_mut(i, count).ok_or_else(bad)?;
-        if bufs.len() != count || bufs.iter().any(|b| b.len() != page_bytes as usize) {
+        let mut landing = dst.landing(i, count).ok_or_else(bad)?;
+        if landing.pages() != count || landing.remaining() != count * page_bytes as usize {
             return Err(bad());
         }
-        read_full_vectored(stream, &mut bufs, "reading pages", keep_going)?;
+        read_landing(stream, &mut landing, "reading pages", keep_going)?;
         i += count;
+    }
+    Ok(())
+}
+
+/// Most bytes one read of page bytes asks for: what the next digest reads back is then still
+/// in the L2 cache the kernel's copy filled.
+pub const READ_CHUNK: usize = 256 << 10;
+
+/// Fills `landing` from `stream` with vectored reads of at most [`READ_CHUNK`] bytes, each
+/// digested as it lands, calling `keep_going` whenever a read slice times out.
+pub fn read_landing(
+    mut stream: &TcpStream,
+    landing: &mut Landing<'_>,
+    during: &'static str,
+    keep_going: &mut dyn FnMut() -> bool,
+) -> Result<(), TcpError> {
+    while !landing.is_full() {
+        match landing.fill_vectored(READ_CHUNK, |bufs| stream.read_vectored(bufs)) {
+            Ok(0) => return Err(TcpError::Closed { during }),
+            Ok(_) => {}
+            Err(e) if is_timeout(&e) => {
+                if !keep_going() {
+                    return Err(TcpError::Stopped);
+                }
+            }
+            Err(e) => {
+                return Err(TcpError::Io {
+                    op: during,
+                    source: e,
+                });
+            }
+        }
     }
     Ok(())
 }
@@ -280,22 +315,24 @@ pub fn read_full_vectored(
 
 /// Where received pages go: pages of a request by index, each exactly one page long.
 pub trait PageSink {
-    /// Pages `first .. first + count`, as disjoint slices, or `None` if out of range.
-    fn pages_mut(&mut self, first: usize, count: usize) -> Option<Vec<&mut [u8]>>;
+    /// Pages `first .. first + count`, to be filled in order, or `None` if out of range.
+    fn landing(&mut self, first: usize, count: usize) -> Option<Landing<'_>>;
 }
 
+/// A grant's pages, digested as they land: verification then reads none of them again.
 impl PageSink for crate::pool::WriteGrant {
-    fn pages_mut(&mut self, first: usize, count: usize) -> Option<Vec<&mut [u8]>> {
+    fn landing(&mut self, first: usize, count: usize) -> Option<Landing<'_>> {
         let end = first.checked_add(count)?;
-        crate::pool::WriteGrant::pages_mut(self, first..end).ok()
+        crate::pool::WriteGrant::landing(self, first..end).ok()
     }
 }
 
+/// Plain buffers (tests): nothing digested.
 impl PageSink for Vec<Vec<u8>> {
-    fn pages_mut(&mut self, first: usize, count: usize) -> Option<Vec<&mut [u8]>> {
+    fn landing(&mut self, first: usize, count: usize) -> Option<Landing<'_>> {
         let end = first.checked_add(count)?;
         self.get_mut(first..end)
-            .map(|pages| pages.iter_mut().map(Vec::as_mut_slice).collect())
+            .map(|pages| Landing::untracked(pages.iter_mut().map(Vec::as_mut_slice).collect()))
     }
 }
 
@@ -434,6 +471,87 @@ mod tests {
         server.join().unwrap();
         for (i, p) in buf.iter().enumerate() {
             assert!(p.iter().all(|&b| usize::from(b) == i + 1), "page {i}");
+        }
+    }
+
+    #[test]
+    fn pages_read_into_a_grant_are_verified_from_the_digests_taken_as_they_landed() {
+        use crate::pool::{PagePool, PoolOptions};
+        use crate::verify::{Manifest, VerifyError, page_digest};
+        use crate::{Dtype, PageGeometry};
+        let g = PageGeometry {
+            tokens_per_page: 16,
+            layers: 1,
+            kv_heads: 4,
+            head_dim: 512,
+            dtype: Dtype::Bf16,
+        };
+        let page = usize::try_from(g.bytes_per_page()).unwrap();
+        // Larger than one read: READ_CHUNK splits pages, so digests carry over reads.
+        let pages = 2 * READ_CHUNK / page + 3;
+        let body: Vec<u8> = (0..pages * page)
+            .map(|i| u8::try_from((i * 31 + i / page) % 251).unwrap())
+            .collect();
+        let digests: Vec<u32> = body.chunks(page).map(page_digest).collect();
+        let decode = PagePool::host(c"kvtest-tcp", g, 64, PoolOptions::default()).unwrap();
+        for corrupt in [false, true] {
+            let (c, s) = pair();
+            let sent = body.clone();
+            let server = std::thread::spawn(move || {
+                let (_, msg) = read_frame(&s, "request", &mut || true).unwrap();
+                let Message::PageRequest(r) = msg else {
+                    panic!("{msg:?}")
+                };
+                let len = u32::try_from(sent.len()).unwrap();
+                let header = page_header(r.owner, 0, len).unwrap();
+                write_full(&s, &[&header, &sent], &mut || true).unwrap();
+            });
+            let count = u32::try_from(pages).unwrap();
+            let tokens = count * g.tokens_per_page;
+            let mut res = decode.reserve(owner(1), tokens, 0).unwrap();
+            {
+                let mut grant = res.grant_write().unwrap();
+                let ids: Vec<PageId> = (0..count).map(PageId).collect();
+                let page_len = u32::try_from(page).unwrap();
+                fetch_pages(
+                    &c,
+                    [0; TOKEN_BYTES],
+                    owner(1),
+                    &ids,
+                    page_len,
+                    &mut grant,
+                    &mut || true,
+                )
+                .unwrap();
+                if corrupt {
+                    // Decode's own page changed after it landed: the digest taken as it
+                    // landed no longer counts, verification reads the page itself.
+                    grant.page_mut(pages - 1).unwrap()[3] ^= 1;
+                }
+            }
+            server.join().unwrap();
+            let landed: Vec<Option<u32>> =
+                res.with_table(|t| res.pages().iter().map(|&p| t.landed(p)).collect());
+            let want: Vec<Option<u32>> = digests
+                .iter()
+                .enumerate()
+                .map(|(i, &d)| (!(corrupt && i == pages - 1)).then_some(d))
+                .collect();
+            assert_eq!(landed, want);
+            let m = Manifest {
+                owner: owner(1),
+                tokens,
+                pages: (0..count).map(PageId).collect(),
+                digests: digests.clone(),
+            };
+            match res.verify(&m) {
+                Ok(_) => assert!(!corrupt),
+                Err(VerifyError::Digest { index, .. }) => {
+                    assert!(corrupt);
+                    assert_eq!(index, pages - 1);
+                }
+                Err(e) => panic!("{e}"),
+            }
         }
     }
 

@@ -4,6 +4,12 @@
 //! only way to read page contents for attention. The check is not configurable: token count,
 //! page count, ownership and every page digest must match, or the reservation is dropped
 //! (its pages released) and the error returned. There is no switch that skips any part.
+//!
+//! A page's digest is computed from its bytes in this pool: by the transfer, chunk by chunk
+//! as the bytes land (a [`Landing`](crate::pool::Landing): one pass over memory instead of
+//! a copy and then a second read), or here, from the page, when the last writer did not
+//! land the whole page that way. Either way it is compared with the manifest's before any
+//! page becomes readable.
 
 use crate::geometry::Kv;
 use crate::ids::{Owner, PageId};
@@ -24,9 +30,10 @@ pub struct Manifest {
     pub digests: Vec<u32>,
 }
 
-/// Integrity digest of one page's bytes.
+/// Integrity digest of one page's bytes: crc32c (the value `crc32c::crc32c` gives), computed
+/// with carry-less multiplication where the CPU has it ([`crate::sys::digest`]).
 pub fn page_digest(bytes: &[u8]) -> u32 {
-    crc32c::crc32c(bytes)
+    crate::sys::digest::crc32c_append(0, bytes)
 }
 
 /// Why decode refused a transfer. Every variant aborts the request.
@@ -127,12 +134,22 @@ impl Reservation {
         let expected = self.prompt_pages();
         let targets = &self.pages()[..expected];
         let page_bytes = self.pool().page_bytes();
-        for (i, (&p, &want)) in targets.iter().zip(&m.digests).enumerate() {
-            let ptr = self.page_bytes_ptr(p).map_err(VerifyError::Pool)?;
-            // SAFETY: `p` is owned by this reservation and idle (state Reserved, no writer,
-            // checked above); a new writer needs `&mut self`, which we hold.
-            let bytes = unsafe { std::slice::from_raw_parts(ptr, page_bytes) };
-            let got = page_digest(bytes);
+        // Digests the last writer computed as the bytes landed in these very pages (see
+        // `pool::Landing`); stable from here on, since no writer is left and a new one needs
+        // `&mut self`, which we hold.
+        let landed: Vec<Option<u32>> =
+            self.with_table(|t| targets.iter().map(|&p| t.landed(p)).collect());
+        for (i, ((&p, &want), landed)) in targets.iter().zip(&m.digests).zip(landed).enumerate() {
+            let got = match landed {
+                Some(d) => d,
+                None => {
+                    let ptr = self.page_bytes_ptr(p).map_err(VerifyError::Pool)?;
+                    // SAFETY: `p` is owned by this reservation and idle (state Reserved, no
+                    // writer, checked above); a new writer needs `&mut self`, which we hold.
+                    let bytes = unsafe { std::slice::from_raw_parts(ptr, page_bytes) };
+                    page_digest(bytes)
+                }
+            };
             if got != want {
                 return Err(VerifyError::Digest {
                     index: i,

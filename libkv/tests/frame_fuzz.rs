@@ -16,11 +16,11 @@
 #![allow(clippy::cast_possible_truncation)]
 
 use libkv::proto::{
-    Abort, DecodeReserve, DecodeReserved, Done, Error, ErrorCode, Freed, HEADER_LEN, Header, Hello,
-    HelloAck, MAGIC, MAX_BODY_LEN, MAX_FRAME_LEN, Message, MsgType, PoolReport, PrefillDone,
-    PrefillPool, PrefillRun, ProtoError, PullDone, PullKv, RdmaConnect, RdmaReadDone, RdmaWindow,
-    RdmaWindows, RegisterAck, RegisterWorker, Release, Role, StatusQuery, StatusReply, Submit,
-    Tokens, Transport, WorkerStatus, decode_frame,
+    Abort, DecodeReserve, DecodeReserved, Done, Drain, DrainReply, Error, ErrorCode, Freed,
+    HEADER_LEN, Header, Hello, HelloAck, MAGIC, MAX_BODY_LEN, MAX_FRAME_LEN, Message, MsgType,
+    PoolReport, PrefillDone, PrefillGone, PrefillPool, PrefillRun, ProtoError, PullDone, PullKv,
+    RdmaConnect, RdmaReadDone, RdmaWindow, RdmaWindows, RegisterAck, RegisterWorker, Release, Role,
+    StatusQuery, StatusReply, Submit, Tokens, Transport, WorkerStatus, decode_frame,
 };
 use libkv::sys::uds::{FrameReader, ReadOutcome};
 use libkv::verify::Manifest;
@@ -60,8 +60,15 @@ fn manifest() -> Manifest {
 /// count each travels with.
 fn valid_messages() -> Vec<(Message, usize)> {
     let worker = WorkerStatus {
+        id: "decode@gpu1".into(),
         role: Role::Decode,
         connected: true,
+        drain: false,
+        in_flight: 1,
+        held_pages: 2,
+        transports: vec![Transport::Shm, Transport::Tcp],
+        served: 3,
+        counters: vec![("pulls".into(), 3)],
         pool_pages: 64,
         tokens_per_page: 16,
         free: 60,
@@ -78,6 +85,7 @@ fn valid_messages() -> Vec<(Message, usize)> {
         }
         .into(),
         RegisterWorker {
+            id: "prefill-0".into(),
             role: Role::Prefill,
             geometry: geometry(),
             pool_pages: 64,
@@ -86,6 +94,7 @@ fn valid_messages() -> Vec<(Message, usize)> {
         }
         .into(),
         RegisterWorker {
+            id: "decode-0".into(),
             role: Role::Decode,
             geometry: geometry(),
             pool_pages: 64,
@@ -117,6 +126,8 @@ fn valid_messages() -> Vec<(Message, usize)> {
             pages_transferred: 2,
             bytes_transferred: 1 << 20,
             elapsed_us: 1234,
+            prefill_worker: "prefill-0".into(),
+            decode_worker: "decode-0".into(),
         }
         .into(),
         Error {
@@ -132,8 +143,9 @@ fn valid_messages() -> Vec<(Message, usize)> {
             workers: vec![
                 worker.clone(),
                 WorkerStatus {
+                    id: "prefill-0".into(),
                     role: Role::Prefill,
-                    ..worker
+                    ..worker.clone()
                 },
             ],
             counters: vec![("admitted".into(), 5), ("rejected".into(), 1)],
@@ -161,11 +173,13 @@ fn valid_messages() -> Vec<(Message, usize)> {
         }
         .into(),
         PrefillPool {
+            worker: "prefill-0".into(),
             geometry: geometry(),
             pool_pages: 64,
         }
         .into(),
         PullKv {
+            source: "prefill-0".into(),
             manifest: manifest(),
             max_new_tokens: 8,
         }
@@ -210,6 +224,16 @@ fn valid_messages() -> Vec<(Message, usize)> {
         }
         .into(),
         RdmaReadDone { owner: owner() }.into(),
+        PrefillGone {
+            worker: "prefill-0".into(),
+        }
+        .into(),
+        Drain {
+            worker: "decode@gpu1".into(),
+            drain: true,
+        }
+        .into(),
+        DrainReply { worker }.into(),
     ];
     msgs.into_iter()
         .map(|m| {

@@ -1,153 +1,55 @@
 //! prefilld: the prefill worker of kvfence.
 //!
 //! It owns a page pool on a sealed memfd, registers a read-only re-open of that memfd with
-//! kvctld (so that decoded can pull pages, never write them), and for each `PrefillRun`
-//! reserves pages for the owner, computes the prompt's KV into them with the reference model
-//! and answers with a manifest (pages and crc32c digests). It keeps the pages until kvctld
-//! sends `Release` or `Abort`, or until the request deadline passes, then reports `Freed`
-//! and a `PoolReport`.
+//! kvctld under its worker id (so that decoded can pull pages, never write them), and for
+//! each `PrefillRun` reserves pages for the owner, computes the prompt's KV into them with the
+//! reference model and answers with a manifest (pages and crc32c digests). It keeps the pages
+//! until kvctld sends `Release` or `Abort`, or until the request deadline passes, then reports
+//! `Freed` and a `PoolReport`.
 //!
-//! Everything runs on one mio event loop ([`link::serve`]); a prefill is short and runs on
-//! the loop thread. With `[transfer] transport = "tcp"` prefilld registers no fd but a TCP
-//! page server ([`pageserver`]) from which decoded pulls the pages of the owners it holds.
-
-use libkv::link::{self, page_count, pool_error_code, refuse};
+//! Everything runs on one mio event loop ([`libkv::worker::serve`], which also drains the
+//! worker on SIGTERM); a prefill is short and runs on the loop thread. With `[transfer]
+//! transport = "tcp"` prefilld registers no fd but a TCP page server ([`pageserver`]) from
+//! which decoded pulls the pages of the owners it holds; `listen` with port 0 binds a free
+//! port and registers the one bound, so several prefill workers on one host can share a
+//! configuration file.
 
 pub mod pageserver;
 use pageserver::{HeldMap, PageServer, Served};
 
-use libkv::config::{Backend, Config, TransportKind};
-use libkv::memory::HostMemory;
+use libkv::config::{Config, Side};
 use libkv::model::{ModelError, ModelRunner, ReferenceModel, tokenize};
-use libkv::pool::{PagePool, PoolError, PoolOptions, Reservation};
+use libkv::pool::{PagePool, PoolError, Reservation};
 use libkv::proto::{
-    ErrorCode, Freed, Header, Message, PrefillDone, PrefillRun, RegisterAck, RegisterWorker, Role,
-    TcpEndpoint, Transport,
+    ErrorCode, Freed, Header, Message, PrefillDone, PrefillRun, RegisterAck, TcpEndpoint, Transport,
 };
 use libkv::verify::{Manifest, page_digest};
+use libkv::worker::{self, Link, Startup, Worker, add, page_count, pool_error_code, refuse};
 use libkv::{Generation, Owner, RequestId};
-use link::{Link, Worker};
 use log::debug;
-use mio::{Poll, Waker};
-use std::io;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-pub use link::{LinkError, RunOptions, Shutdown};
+pub use libkv::worker::{RunOptions, Shutdown, WorkerError};
 
-/// Exit code: stopped cleanly.
-pub const EXIT_OK: u8 = 0;
-/// Exit code: a runtime failure.
-pub const EXIT_RUNTIME: u8 = 1;
-/// Exit code: the configuration is invalid or cannot run in this build.
-pub const EXIT_CONFIG: u8 = 2;
-
-/// Why prefilld stopped with an error.
-#[derive(Debug, thiserror::Error)]
-pub enum WorkerError {
-    /// The configured pool backend is not compiled in.
-    #[error("backend {backend} is not available in this build")]
-    BackendUnavailable { backend: &'static str },
-    /// The page geometry cannot run the reference model.
-    #[error("the page geometry cannot run the reference model")]
-    Model(#[source] ModelError),
-    /// Creating the pool's shared memory failed.
-    #[error("creating {bytes} bytes of pool memory")]
-    Memory {
-        bytes: u64,
-        #[source]
-        source: io::Error,
-    },
-    /// Re-opening the pool memory read-only failed.
-    #[error("re-opening the pool memory read-only")]
-    ReadOnlyFd(#[source] io::Error),
-    /// Creating the page pool failed.
-    #[error("creating the page pool")]
-    Pool(#[source] PoolError),
-    /// The configuration does not name a usable page server address.
-    #[error("the [transfer] section")]
-    Transfer(#[source] libkv::config::ConfigError),
-    /// Starting the TCP page server failed.
-    #[error("starting the page server on {addr}")]
-    PageServer {
-        addr: std::net::SocketAddr,
-        #[source]
-        source: io::Error,
-    },
-    /// The configured RDMA device, port or GID cannot be used.
-    #[error("opening the RDMA device of [rdma]")]
-    Rdma(#[source] libkv::rdma::RdmaError),
-    /// The event loop failed.
-    #[error("event loop")]
-    EventLoop(#[from] LinkError),
-}
-
-impl WorkerError {
-    /// Whether the error is the configuration's (exit [`EXIT_CONFIG`]) rather than the
-    /// system's (exit [`EXIT_RUNTIME`]).
-    pub fn is_config(&self) -> bool {
-        matches!(
-            self,
-            WorkerError::BackendUnavailable { .. }
-                | WorkerError::Model(_)
-                | WorkerError::Transfer(_)
-        ) || matches!(self, WorkerError::Rdma(e) if e.is_config())
+libkv::worker_counters! {
+    /// Counters reported in every `PoolReport`, after the link's `frames_received`.
+    pub(crate) struct Counters {
+        prefill_runs,
+        /// Prefills stopped between chunks: kvctld abandoned the request (its deadline, the
+        /// client gone) or the connection to kvctld was lost.
+        prefills_abandoned,
+        pages_written,
+        aborts,
+        freed_pages,
+        pages_served,
+        bytes_served,
+        page_requests_refused,
+        rdma_sessions,
+        windows_bound,
+        windows_revoked,
     }
-
-    /// The documented exit code for this error.
-    pub fn exit_code(&self) -> u8 {
-        if self.is_config() {
-            EXIT_CONFIG
-        } else {
-            EXIT_RUNTIME
-        }
-    }
-}
-
-pub use libkv::error_chain;
-
-/// Counters reported in every `PoolReport` (names from the request flow).
-#[derive(Debug, Default)]
-struct Counters {
-    frames_received: Arc<AtomicU64>,
-    prefill_runs: AtomicU64,
-    pages_written: AtomicU64,
-    aborts: AtomicU64,
-    freed_pages: AtomicU64,
-    pages_served: AtomicU64,
-    bytes_served: AtomicU64,
-    page_requests_refused: AtomicU64,
-    rdma_sessions: AtomicU64,
-    windows_bound: AtomicU64,
-    windows_revoked: AtomicU64,
-}
-
-impl Counters {
-    fn snapshot(&self) -> Vec<(String, u64)> {
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        [
-            ("frames_received", get(&self.frames_received)),
-            ("prefill_runs", get(&self.prefill_runs)),
-            ("pages_written", get(&self.pages_written)),
-            ("aborts", get(&self.aborts)),
-            ("freed_pages", get(&self.freed_pages)),
-            ("pages_served", get(&self.pages_served)),
-            ("bytes_served", get(&self.bytes_served)),
-            ("page_requests_refused", get(&self.page_requests_refused)),
-            ("rdma_sessions", get(&self.rdma_sessions)),
-            ("windows_bound", get(&self.windows_bound)),
-            ("windows_revoked", get(&self.windows_revoked)),
-        ]
-        .into_iter()
-        .map(|(n, v)| (n.to_owned(), v))
-        .collect()
-    }
-}
-
-fn add(c: &AtomicU64, n: u64) {
-    c.fetch_add(n, Ordering::Relaxed);
 }
 
 /// The prefill worker's state, driven by the event loop.
@@ -170,35 +72,14 @@ struct Prefill {
 
 /// How often the loop looks at `releasing` if no wake-up came.
 const RELEASE_POLL: Duration = Duration::from_millis(50);
+/// How often a running prefill looks (between pages) whether kvctld abandoned it.
+const ABANDON_CHECK: Duration = Duration::from_millis(5);
 
-/// Runs prefilld until SIGTERM/SIGINT or `opts.shutdown`.
+/// Runs prefilld until stopped (SIGTERM/SIGINT or `opts.shutdown`; registered, it drains
+/// first), or until kvctld refuses its registration for good.
 pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
-    if cfg.prefill.backend == Backend::Cuda {
-        return Err(WorkerError::BackendUnavailable { backend: "cuda" });
-    }
-    let model = ReferenceModel::new(cfg.geometry).map_err(WorkerError::Model)?;
-    let bytes = cfg.prefill.pool_bytes(&cfg.geometry);
-    let memory = HostMemory::new(c"kvfence-prefill", bytes)
-        .map_err(|source| WorkerError::Memory { bytes, source })?;
     let listen = cfg.transfer.listen_addr().map_err(WorkerError::Transfer)?;
-    let ro_fd = match cfg.transfer.transport {
-        TransportKind::Shm => Some(memory.read_only_fd().map_err(WorkerError::ReadOnlyFd)?),
-        TransportKind::Tcp | TransportKind::Rdma => None,
-    };
-    let pool = PagePool::new(
-        cfg.geometry,
-        cfg.prefill.pool_pages,
-        Box::new(memory),
-        PoolOptions {
-            poison: cfg.prefill.poison,
-            scrub: cfg.prefill.scrub,
-        },
-    )
-    .map_err(WorkerError::Pool)?;
-    let rdma = libkv::rdma::open_node(&cfg, &pool, true).map_err(WorkerError::Rdma)?;
-
-    let poll = Poll::new().map_err(LinkError::Setup)?;
-    let waker = Arc::new(Waker::new(poll.registry(), link::WAKER).map_err(LinkError::Setup)?);
+    let mut start = Startup::new(&cfg, Side::Prefill)?;
     let counters = Arc::new(Counters::default());
     let held = HeldMap::default();
     let (server, endpoint) = match listen {
@@ -214,12 +95,13 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
                 addr,
                 token,
                 held.clone(),
-                Arc::clone(&waker),
+                Arc::clone(&start.waker),
                 Arc::clone(&counters),
                 limits,
-                rdma.clone(),
+                start.rdma.clone(),
             )
             .map_err(|source| WorkerError::PageServer { addr, source })?;
+            // The address bound, not the one configured: port 0 picked a free port.
             let endpoint = TcpEndpoint {
                 addr: server.local_addr().to_string(),
                 token,
@@ -228,24 +110,20 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
             (Some(server), Some(endpoint))
         }
     };
-    let transports = match (&endpoint, &rdma) {
+    let transports = match (&endpoint, &start.rdma) {
         (Some(_), Some(_)) => vec![Transport::Tcp, Transport::Rdma],
         (Some(_), None) => vec![Transport::Tcp],
         (None, _) => vec![Transport::Shm],
     };
-    let link = Link::new(
-        cfg.control.socket.clone(),
-        RegisterWorker {
-            role: Role::Prefill,
-            geometry: cfg.geometry,
-            pool_pages: cfg.prefill.pool_pages,
-            transports,
-            endpoint,
-        },
-        ro_fd,
-        cfg.deadlines.bootstrap(),
-        Arc::clone(&counters.frames_received),
-    );
+    let register = start.registration(transports, endpoint);
+    let link = Link::new(&cfg, register, start.read_only_fd.take());
+    let Startup {
+        model,
+        pool,
+        poll,
+        waker,
+        ..
+    } = start;
     let mut worker = Prefill {
         pool,
         model,
@@ -257,18 +135,18 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
         max_context: cfg.limits.max_context,
         hold_for: cfg.deadlines.request(),
     };
-    link::serve(poll, waker, link, &mut worker, &opts)?;
+    worker::serve(poll, waker, link, &mut worker, &opts)?;
     Ok(())
 }
 
 impl Prefill {
     /// Refuses an owner of another generation, or one that is not the frame's request.
     fn check_owner(&self, id: RequestId, owner: Owner) -> Result<(), String> {
-        link::check_owner(self.generation, id, owner)
+        worker::check_owner(self.generation, id, owner)
     }
 
     fn report(&self, link: &mut Link) {
-        link::send_report(link, &self.pool, self.counters.snapshot());
+        worker::send_report(link, &self.pool, self.counters.snapshot());
     }
 
     /// Reports pages that are back on the free list (the reservation was dropped and no
@@ -311,8 +189,16 @@ impl Prefill {
                 return self.freed(link, owner, 0);
             }
         };
-        match self.write_kv(&mut res, &tokens) {
-            Ok((pages, digests)) => {
+        match self.write_kv(link, owner, &mut res, &tokens) {
+            Ok(None) => {
+                // Abandoned between chunks: the pages were never handed out.
+                add(&self.counters.prefills_abandoned, 1);
+                let pages = page_count(&res);
+                drop(res);
+                debug!("{owner}: prefill abandoned; freeing {pages} pages");
+                self.freed(link, owner, pages);
+            }
+            Ok(Some((pages, digests))) => {
                 debug!("prefilled {owner}: {n} tokens in {} pages", pages.len());
                 add(&self.counters.prefill_runs, 1);
                 add(&self.counters.pages_written, pages.len() as u64);
@@ -341,12 +227,17 @@ impl Prefill {
     }
 
     /// Computes the prompt's KV into the reservation's pages; returns the pages written and
-    /// the digest of each (over the full page). The write grant ends before this returns.
+    /// the digest of each (over the full page), or `None` when kvctld abandoned the request
+    /// (looked at between pages, every [`ABANDON_CHECK`]). The write grant ends before this
+    /// returns.
+    #[allow(clippy::type_complexity)]
     fn write_kv(
         &self,
+        link: &mut Link,
+        owner: Owner,
         res: &mut Reservation,
         tokens: &[u32],
-    ) -> Result<(Vec<libkv::PageId>, Vec<u32>), ModelError> {
+    ) -> Result<Option<(Vec<libkv::PageId>, Vec<u32>)>, ModelError> {
         let mut grant = res.grant_write().map_err(ModelError::Pool)?;
         #[cfg(feature = "fault-injection")]
         if fault_active("stale-kv") {
@@ -359,14 +250,25 @@ impl Prefill {
                 .map(|i| grant.page_mut(i).map(|p| page_digest(p)))
                 .collect::<Result<Vec<u32>, PoolError>>()
                 .map_err(ModelError::Pool)?;
-            return Ok((grant.pages().to_vec(), digests));
+            return Ok(Some((grant.pages().to_vec(), digests)));
         }
-        self.model.prefill(tokens, &mut grant)?;
+        let mut last_check = Instant::now();
+        let finished = self.model.prefill_chunked(tokens, &mut grant, &mut |_| {
+            let now = Instant::now();
+            if now.saturating_duration_since(last_check) < ABANDON_CHECK {
+                return true;
+            }
+            last_check = now;
+            !link.abandoned(owner)
+        })?;
+        if !finished {
+            return Ok(None);
+        }
         let digests = (0..grant.pages().len())
             .map(|i| grant.page_mut(i).map(|p| page_digest(p)))
             .collect::<Result<Vec<u32>, PoolError>>()
             .map_err(ModelError::Pool)?;
-        Ok((grant.pages().to_vec(), digests))
+        Ok(Some((grant.pages().to_vec(), digests)))
     }
 
     /// Release or Abort: drops the owner's pages and reports them freed.
@@ -497,19 +399,23 @@ fn fault_active(name: &str) -> bool {
 }
 
 #[cfg(test)]
-mod testkit;
-
-#[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testkit::{Daemon, FakeKvctld, GEN, counter, owner, test_config};
+    use libkv::config::{Backend, TransportKind};
     use libkv::memory::ForeignPool;
     use libkv::proto::{Abort, DecodeReserve, Release};
+    use libkv::proto::{Drain, Role};
     use libkv::sys::memfd;
+    use libkv::testkit::{self, FakeKvctld, GEN, counter, drain_reply, owner, test_config};
+    use libkv::worker::{EXIT_CONFIG, LinkError, WorkerError};
     use std::io::Write;
     use std::os::fd::AsFd;
 
     const PROMPT: &[u8] = b"the quick brown fox jumps over the lazy dog";
+
+    fn start(cfg: Config) -> testkit::Daemon {
+        testkit::Daemon::start(run, cfg)
+    }
 
     fn run_msg(request: u64, prompt: &[u8]) -> PrefillRun {
         PrefillRun {
@@ -529,9 +435,10 @@ mod tests {
     fn prefill_writes_digested_pages_and_release_frees_them() {
         let kvctld = FakeKvctld::new();
         let cfg = test_config(kvctld.socket.clone());
-        let daemon = Daemon::start(cfg.clone());
+        let daemon = start(cfg.clone());
         let mut peer = kvctld.accept();
         let (reg, fd) = peer.handshake(&cfg);
+        assert_eq!(reg.id, "prefill", "the default id is the role's name");
         assert_eq!(reg.role, Role::Prefill);
         assert_eq!(reg.geometry, cfg.geometry);
         assert_eq!(reg.pool_pages, cfg.prefill.pool_pages);
@@ -542,7 +449,7 @@ mod tests {
         );
 
         peer.send(RequestId(1), run_msg(1, PROMPT));
-        let (h, msg) = peer.next();
+        let (h, msg) = peer.next_frame();
         assert_eq!(h.request_id, RequestId(1));
         let Message::PrefillDone(PrefillDone { manifest }) = msg else {
             panic!("expected PrefillDone, got {msg:?}");
@@ -564,7 +471,7 @@ mod tests {
         assert_eq!(u64::from(report.reserved), pages);
 
         peer.send(RequestId(1), Release { owner: owner(1) });
-        let (h, msg) = peer.next();
+        let (h, msg) = peer.next_frame();
         assert_eq!(h.request_id, RequestId(1));
         assert_eq!(
             msg,
@@ -589,7 +496,7 @@ mod tests {
     fn untrusted_frames_get_errors_and_abort_frees() {
         let kvctld = FakeKvctld::new();
         let cfg = test_config(kvctld.socket.clone());
-        let daemon = Daemon::start(cfg.clone());
+        let daemon = start(cfg.clone());
         let mut peer = kvctld.accept();
         peer.handshake(&cfg);
 
@@ -605,16 +512,18 @@ mod tests {
                 prompt: PROMPT.to_vec(),
             },
         );
-        let reason = expect_error(peer.next().1, ErrorCode::BadRequest);
+        let reason = expect_error(peer.next_frame().1, ErrorCode::BadRequest);
         assert!(reason.contains("generation"), "{reason}");
         // A frame id that is not the owner's request.
         peer.send(RequestId(3), run_msg(2, PROMPT));
-        expect_error(peer.next().1, ErrorCode::BadRequest);
+        expect_error(peer.next_frame().1, ErrorCode::BadRequest);
         // A prompt over max_context.
         peer.send(RequestId(4), run_msg(4, &vec![b'x'; 257]));
-        expect_error(peer.next().1, ErrorCode::BadRequest);
+        expect_error(peer.next_frame().1, ErrorCode::BadRequest);
         // Nothing was reserved, and kvctld hears so: one Freed of 0 pages.
-        assert!(matches!(peer.next().1, Message::Freed(f) if f.owner == owner(4) && f.pages == 0));
+        assert!(
+            matches!(peer.next_frame().1, Message::Freed(f) if f.owner == owner(4) && f.pages == 0)
+        );
         // A message for the other role.
         peer.send(
             RequestId(5),
@@ -624,17 +533,17 @@ mod tests {
                 max_new_tokens: 1,
             },
         );
-        expect_error(peer.next().1, ErrorCode::BadRequest);
+        expect_error(peer.next_frame().1, ErrorCode::BadRequest);
 
         // A good request, then a duplicate of it, then Abort.
         peer.send(RequestId(2), run_msg(2, PROMPT));
-        assert!(matches!(peer.next().1, Message::PrefillDone(_)));
+        assert!(matches!(peer.next_frame().1, Message::PrefillDone(_)));
         peer.send(RequestId(2), run_msg(2, PROMPT));
-        let reason = expect_error(peer.next().1, ErrorCode::BadRequest);
+        let reason = expect_error(peer.next_frame().1, ErrorCode::BadRequest);
         assert!(reason.contains("duplicate"), "{reason}");
         // Release of a stale owner is refused, Abort of an unknown one ignored.
         peer.send(RequestId(2), Release { owner: stale });
-        expect_error(peer.next().1, ErrorCode::BadRequest);
+        expect_error(peer.next_frame().1, ErrorCode::BadRequest);
         peer.send(
             RequestId(9),
             Abort {
@@ -651,7 +560,7 @@ mod tests {
                 reason: "test".into(),
             },
         );
-        let (h, msg) = peer.next();
+        let (h, msg) = peer.next_frame();
         assert_eq!(h.request_id, RequestId(2));
         assert!(matches!(msg, Message::Freed(Freed { owner: o, pages: 3 }) if o == owner(2)));
         let report = peer.pool_report();
@@ -669,13 +578,13 @@ mod tests {
         cfg.deadlines.transfer = 100;
         cfg.deadlines.request = 300;
         cfg.validate().unwrap();
-        let daemon = Daemon::start(cfg.clone());
+        let daemon = start(cfg.clone());
         let mut peer = kvctld.accept();
         peer.handshake(&cfg);
         let start = Instant::now();
         peer.send(RequestId(1), run_msg(1, PROMPT));
-        assert!(matches!(peer.next().1, Message::PrefillDone(_)));
-        assert!(matches!(peer.next().1, Message::Freed(f) if f.owner == owner(1)));
+        assert!(matches!(peer.next_frame().1, Message::PrefillDone(_)));
+        assert!(matches!(peer.next_frame().1, Message::Freed(f) if f.owner == owner(1)));
         assert!(start.elapsed() >= Duration::from_millis(300));
         assert_eq!(peer.pool_report().free, cfg.prefill.pool_pages);
         daemon.stop().unwrap();
@@ -685,14 +594,14 @@ mod tests {
     fn waits_for_kvctld_and_reconnects_after_drop_or_bad_frame() {
         let mut kvctld = FakeKvctld::unbound();
         let cfg = test_config(kvctld.socket.clone());
-        let daemon = Daemon::start(cfg.clone());
+        let daemon = start(cfg.clone());
         // kvctld is not there yet: the worker keeps retrying.
         std::thread::sleep(Duration::from_millis(350));
         kvctld.bind();
         let mut peer = kvctld.accept();
         peer.handshake(&cfg);
         peer.send(RequestId(1), run_msg(1, PROMPT));
-        assert!(matches!(peer.next().1, Message::PrefillDone(_)));
+        assert!(matches!(peer.next_frame().1, Message::PrefillDone(_)));
 
         // kvctld goes away while pages are held: they are dropped, and the worker registers
         // again with an empty pool (handshake checks the PoolReport).
@@ -730,8 +639,9 @@ mod tests {
         let err = run(cfg, RunOptions::default()).unwrap_err();
         assert_eq!(err.exit_code(), EXIT_CONFIG);
         assert_eq!(
-            error_chain(&err),
-            "backend cuda is not available in this build"
+            libkv::error_chain(&err),
+            "backend cuda is not available in this build ([prefill] backend = \"cuda\"); set \
+             backend = \"host\" to run the pool in host memory"
         );
     }
 
@@ -739,14 +649,183 @@ mod tests {
     fn stop_frees_held_pages_and_exits_ok() {
         let kvctld = FakeKvctld::new();
         let cfg = test_config(kvctld.socket.clone());
-        let daemon = Daemon::start(cfg.clone());
+        let daemon = start(cfg.clone());
         let mut peer = kvctld.accept();
         peer.handshake(&cfg);
         peer.send(RequestId(1), run_msg(1, PROMPT));
-        assert!(matches!(peer.next().1, Message::PrefillDone(_)));
+        assert!(matches!(peer.next_frame().1, Message::PrefillDone(_)));
         daemon.stop().unwrap();
-        assert!(matches!(peer.next().1, Message::Freed(f) if f.owner == owner(1)));
+        assert!(matches!(peer.next_frame().1, Message::Freed(f) if f.owner == owner(1)));
         assert_eq!(peer.pool_report().free, cfg.prefill.pool_pages);
         peer.expect_closed();
+    }
+
+    #[test]
+    fn a_refusal_for_good_ends_run_with_the_config_exit_code() {
+        let kvctld = FakeKvctld::new();
+        let cfg = test_config(kvctld.socket.clone());
+        let daemon = start(cfg.clone());
+        // A refusal kvctld may lift later: the worker comes back.
+        let mut peer = kvctld.accept();
+        peer.hello();
+        peer.send(
+            RequestId(0),
+            libkv::proto::Error {
+                code: ErrorCode::ShuttingDown,
+                message: "kvctld is restarting".into(),
+            },
+        );
+        peer.expect_closed();
+        // One it never will: run returns with the configuration exit code, no retry.
+        let mut peer = kvctld.accept();
+        peer.hello();
+        peer.send(
+            RequestId(0),
+            libkv::proto::Error {
+                code: ErrorCode::Misconfigured,
+                message: "a pool of 64 pages cannot hold max_context 4096".into(),
+            },
+        );
+        let err = daemon.wait().unwrap_err();
+        assert!(
+            matches!(&err, WorkerError::Link(LinkError::Misconfigured { id, .. }) if id == "prefill"),
+            "{err:?}"
+        );
+        assert_eq!(err.exit_code(), EXIT_CONFIG);
+        assert_eq!(
+            libkv::error_chain(&err),
+            "kvctld refused the registration of worker prefill: \
+             a pool of 64 pages cannot hold max_context 4096"
+        );
+        peer.expect_closed();
+    }
+
+    /// A config whose drain deadline is far beyond [`testkit::WAIT`]: a test that sees the
+    /// worker stop in time saw it stop for another reason.
+    fn long_drain(kvctld: &FakeKvctld) -> Config {
+        let mut cfg = test_config(kvctld.socket.clone());
+        cfg.deadlines.drain = 600_000;
+        cfg.validate().unwrap();
+        cfg
+    }
+
+    #[test]
+    fn stop_drains_serves_what_is_assigned_and_ends_at_drain_reply() {
+        let kvctld = FakeKvctld::new();
+        let mut cfg = long_drain(&kvctld);
+        cfg.worker.id = Some("prefill@gpu3".into());
+        let daemon = start(cfg.clone());
+        let mut peer = kvctld.accept();
+        let (reg, _) = peer.handshake(&cfg);
+        assert_eq!(reg.id, "prefill@gpu3");
+        peer.send(RequestId(1), run_msg(1, PROMPT));
+        assert!(matches!(peer.next_frame().1, Message::PrefillDone(_)));
+
+        daemon.request_stop();
+        let (h, msg) = peer.next_frame();
+        assert_eq!(h.request_id, RequestId(0));
+        assert_eq!(
+            msg,
+            Message::Drain(Drain {
+                worker: "prefill@gpu3".into(),
+                drain: true
+            })
+        );
+        // Paired before the drain reached kvctld: still served, and so are releases.
+        peer.send(RequestId(2), run_msg(2, PROMPT));
+        assert!(matches!(peer.next_frame().1, Message::PrefillDone(_)));
+        for request in [1, 2] {
+            peer.send(
+                RequestId(request),
+                Release {
+                    owner: owner(request),
+                },
+            );
+            assert!(matches!(peer.next_frame().1, Message::Freed(f) if f.owner == owner(request)));
+        }
+        assert_eq!(peer.pool_report().free, cfg.prefill.pool_pages);
+        assert!(daemon.try_result().is_none(), "stopped before DrainReply");
+        peer.send(RequestId(0), drain_reply(&reg));
+        daemon.wait().unwrap();
+        peer.expect_closed();
+    }
+
+    #[test]
+    fn drain_ends_at_its_deadline_and_frees_what_is_held() {
+        let kvctld = FakeKvctld::new();
+        let mut cfg = test_config(kvctld.socket.clone());
+        cfg.deadlines.drain = 300;
+        cfg.validate().unwrap();
+        let daemon = start(cfg.clone());
+        let mut peer = kvctld.accept();
+        peer.handshake(&cfg);
+        peer.send(RequestId(1), run_msg(1, PROMPT));
+        assert!(matches!(peer.next_frame().1, Message::PrefillDone(_)));
+        let asked = Instant::now();
+        daemon.request_stop();
+        assert!(matches!(peer.next_frame().1, Message::Drain(_)));
+        // No DrainReply: the worker stops at the deadline, freeing what it still holds.
+        assert!(matches!(peer.next_frame().1, Message::Freed(f) if f.owner == owner(1)));
+        assert!(asked.elapsed() >= Duration::from_millis(300));
+        assert_eq!(peer.pool_report().free, cfg.prefill.pool_pages);
+        daemon.wait().unwrap();
+        peer.expect_closed();
+    }
+
+    #[test]
+    fn a_second_stop_request_does_not_wait_for_the_drain() {
+        let kvctld = FakeKvctld::new();
+        let cfg = long_drain(&kvctld);
+        let daemon = start(cfg.clone());
+        let mut peer = kvctld.accept();
+        peer.handshake(&cfg);
+        peer.send(RequestId(1), run_msg(1, PROMPT));
+        assert!(matches!(peer.next_frame().1, Message::PrefillDone(_)));
+        daemon.request_stop();
+        assert!(matches!(peer.next_frame().1, Message::Drain(_)));
+        daemon.request_stop();
+        assert!(matches!(peer.next_frame().1, Message::Freed(f) if f.owner == owner(1)));
+        daemon.wait().unwrap();
+        peer.expect_closed();
+    }
+
+    #[test]
+    fn stop_while_not_registered_is_immediate() {
+        let kvctld = FakeKvctld::unbound();
+        let cfg = long_drain(&kvctld);
+        let daemon = start(cfg);
+        daemon.request_stop();
+        daemon.wait().unwrap();
+    }
+
+    #[test]
+    fn page_servers_on_port_0_share_one_config() {
+        let kvctld = FakeKvctld::new();
+        let mut cfg = test_config(kvctld.socket.clone());
+        cfg.transfer.transport = TransportKind::Tcp;
+        cfg.transfer.listen = Some("127.0.0.1:0".into());
+        cfg.validate().unwrap();
+        let mut endpoints = Vec::new();
+        let mut daemons = Vec::new();
+        for id in ["prefill-a", "prefill-b"] {
+            let mut cfg = cfg.clone();
+            cfg.worker.id = Some(id.into());
+            daemons.push(start(cfg.clone()));
+            let mut peer = kvctld.accept();
+            let (reg, fd) = peer.handshake(&cfg);
+            assert_eq!(reg.id, id);
+            assert!(fd.is_none(), "no pool fd over TCP");
+            assert_eq!(reg.transports, vec![Transport::Tcp]);
+            let endpoint = reg.endpoint.expect("a page server");
+            let addr: std::net::SocketAddr = endpoint.addr.parse().unwrap();
+            assert_eq!(addr.ip().to_string(), "127.0.0.1");
+            assert_ne!(addr.port(), 0, "the bound port is registered");
+            std::net::TcpStream::connect(addr).expect("the page server listens there");
+            endpoints.push((addr, peer));
+        }
+        assert_ne!(endpoints[0].0, endpoints[1].0);
+        for daemon in daemons {
+            daemon.stop().unwrap();
+        }
     }
 }

@@ -1,9 +1,11 @@
-//! `prefilld --config PATH [--check-config]`: the prefill worker of kvfence.
+//! `prefilld --config PATH [--id ID] [--check-config]`, `prefilld --check-config PATH`: the prefill worker of kvfence.
 //!
-//! Exit codes: 0 stopped cleanly (SIGTERM/SIGINT) or the configuration is valid;
-//! 1 runtime failure; 2 invalid configuration, or one this build cannot run.
+//! Exit codes: 0 stopped cleanly (SIGTERM/SIGINT, after draining) or the configuration is
+//! valid; 1 runtime failure; 2 invalid configuration, one this build cannot run, or one
+//! kvctld refuses for good (`Misconfigured`).
 
 use clap::Parser;
+use libkv::worker::CommandLine;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -13,34 +15,25 @@ use std::process::ExitCode;
 struct Args {
     /// Path of the kvfence configuration file.
     #[arg(long, value_name = "PATH")]
-    config: PathBuf,
-    /// Load and validate the configuration, then exit.
-    #[arg(long)]
-    check_config: bool,
+    config: Option<PathBuf>,
+    /// This worker's id, unique per kvctld (overrides `[worker] id`; default "prefill").
+    #[arg(long, value_name = "ID")]
+    id: Option<String>,
+    /// Load and validate the configuration (--config's, or PATH), check what start would
+    /// refuse on this host and build, then exit: 0 valid, 2 not.
+    #[arg(long, value_name = "PATH")]
+    check_config: Option<Option<PathBuf>>,
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
-    let cfg = match libkv::config::Config::load(&args.config) {
-        Ok(cfg) => cfg,
+    let args = match CommandLine::from_args(args.config, args.check_config, args.id) {
+        Ok(args) => args,
         Err(e) => {
-            eprintln!("prefilld: {}", prefilld::error_chain(&e));
-            return ExitCode::from(prefilld::EXIT_CONFIG);
+            eprintln!("prefilld: {e}");
+            return ExitCode::from(2);
         }
     };
-    if args.check_config {
-        eprintln!(
-            "prefilld: {}: configuration is valid",
-            args.config.display()
-        );
-        return ExitCode::from(prefilld::EXIT_OK);
-    }
-    match prefilld::run(cfg, prefilld::RunOptions::default()) {
-        Ok(()) => ExitCode::from(prefilld::EXIT_OK),
-        Err(e) => {
-            eprintln!("prefilld: {}", prefilld::error_chain(&e));
-            ExitCode::from(e.exit_code())
-        }
-    }
+    libkv::worker::main("prefilld", args, prefilld::run)
 }

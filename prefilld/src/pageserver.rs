@@ -586,7 +586,7 @@ fn send_refusal(stream: &TcpStream, shared: &Shared, r: Refusal) {
     let mut briefly = || start.elapsed() < Duration::from_secs(1);
     let error = proto::Error {
         code: r.code,
-        message: libkv::link::text(r.message),
+        message: libkv::worker::text(r.message),
     };
     let _ = tcp::write_frame(stream, RequestId(0), error, &mut briefly);
     let _ = stream.shutdown(std::net::Shutdown::Both);

@@ -2,13 +2,15 @@
 //!
 //! Raw `UnixStream`s send what no honest peer sends: truncated frames, oversized lengths,
 //! unknown and zero message types, bad magic and version, reserved bits, descriptors on
-//! types that carry none, worker-only messages from a client, a second worker with a wrong
-//! geometry or while one is registered, invalid tenants, and a flood of half-open
-//! connections. For each, the offender gets an `Error` frame (where the protocol says one is
-//! sent) or is disconnected within [`REPLY_WITHIN`], while a normal client keeps getting
-//! correct output, the three daemons stay up, kvctld closes every descriptor it refused, its
-//! memory stays bounded, and `protocol_errors` counts the offences. Every raw connection is
-//! closed at the end, and kvctld is seen to drop them all.
+//! types that carry none, worker-only messages from a client, impostor workers (a wrong
+//! geometry, a pool one page too small for the context, a writable pool fd, the id of a live
+//! worker, no pool fd), invalid tenants, and a flood of half-open connections. For each, the
+//! offender gets an `Error` frame (where the protocol says one is sent: `Misconfigured`
+//! naming both numbers for a registration that can never be accepted) or is disconnected
+//! within [`REPLY_WITHIN`], while a normal client keeps getting correct output, the three
+//! daemons stay up, no impostor joins, kvctld closes every descriptor it refused, its memory
+//! stays bounded, and `protocol_errors` and `registrations_refused` count the offences.
+//! Every raw connection is closed at the end, and kvctld is seen to drop them all.
 //!
 //! The binaries come from this test's target directory: `cargo build --release --bins`
 //! first for `cargo test --release`.
@@ -16,14 +18,14 @@
 #![allow(clippy::cast_possible_truncation)]
 
 use kvctld::client::{Client, GenerateOutcome};
-use kvctld::stack::{Daemon, Stack, StackOptions, error_chain, wait_until};
+use kvctld::stack::{Daemon, Stack, StackOptions, error_chain, find_worker, wait_until};
 use kvfence_tests::{LogsOnPanic, bin_dir};
 use libkv::config::Config;
 use libkv::model::{ReferenceModel, monolithic, tokenize};
 use libkv::proto::{
     self, DecodeReserved, Done, ErrorCode, Freed, HEADER_LEN, Hello, MAX_BODY_LEN, Message,
-    PrefillDone, PullDone, PullKv, RegisterWorker, Role, StatusQuery, StatusReply, Submit, Tokens,
-    Transport,
+    PROTOCOL_VERSION, PrefillDone, PullDone, PullKv, RegisterWorker, Role, StatusQuery,
+    StatusReply, Submit, Tokens, Transport,
 };
 use libkv::sys::uds::{self, UdsError};
 use libkv::verify::Manifest;
@@ -248,10 +250,12 @@ fn answer(s: &UnixStream, what: &str) -> (Answer, Duration) {
 }
 
 /// What the protocol says kvctld answers an offence with.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 enum Expect {
     /// `Error(BadRequest)` whose message contains the text, then the disconnect.
     Error(&'static str),
+    /// `Error(code)` whose message contains every one of the texts, then the disconnect.
+    Code(ErrorCode, Vec<String>),
     /// The disconnect; an `Error` first is tolerated (noted in the summary).
     Close,
 }
@@ -290,8 +294,20 @@ fn attack(
                 "{what}: Error message {message:?} does not say {needle:?}"
             );
         }
+        (Answer::Error { code, message }, Expect::Code(want, needles)) => {
+            assert_eq!(*code, want, "{what}: {message}");
+            for needle in &needles {
+                assert!(
+                    message.contains(needle.as_str()),
+                    "{what}: Error message {message:?} does not say {needle:?}"
+                );
+            }
+        }
         (Answer::Closed, Expect::Error(needle)) => {
             panic!("{what}: disconnected without the Error frame ({needle:?}) the protocol sends")
+        }
+        (Answer::Closed, Expect::Code(code, _)) => {
+            panic!("{what}: disconnected without the Error({code:?}) frame the protocol sends")
         }
         (Answer::Error { code, message }, Expect::Close) => {
             eprintln!("note: {what}: answered {code:?} ({message}) before the disconnect");
@@ -328,8 +344,9 @@ fn manifest(owner: Owner, pages: Vec<PageId>) -> Manifest {
     }
 }
 
-fn register(role: Role, geometry: PageGeometry, pool_pages: u32) -> RegisterWorker {
+fn register(id: &str, role: Role, geometry: PageGeometry, pool_pages: u32) -> RegisterWorker {
     RegisterWorker {
+        id: id.to_owned(),
         role,
         geometry,
         pool_pages,
@@ -434,7 +451,8 @@ fn hostile_frames_and_floods_are_refused_while_normal_clients_are_served() {
             put(s, &f).expect("write");
         },
     );
-    for ty in [28u16, 0x7fff, u16::MAX] {
+    // 31 is the first type after DrainReply (30); 0x7fff and u16::MAX are far past it.
+    for ty in [31u16, 0x7fff, u16::MAX] {
         attack(
             &stack,
             &mut victim,
@@ -484,7 +502,8 @@ fn hostile_frames_and_floods_are_refused_while_normal_clients_are_served() {
             put(s, &f).expect("write");
         },
     );
-    for v in [0u16, 2, u16::MAX] {
+    // The version before and after this build's, and the extremes.
+    for v in [0u16, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, u16::MAX] {
         attack(
             &stack,
             &mut victim,
@@ -595,6 +614,7 @@ fn hostile_frames_and_floods_are_refused_while_normal_clients_are_served() {
             "PullKv naming out-of-range pages",
             frame(
                 PullKv {
+                    source: "prefill-0".into(),
                     manifest: manifest(o, vec![PageId(1_000_000_000), PageId(u32::MAX)]),
                     max_new_tokens: 4,
                 },
@@ -618,7 +638,12 @@ fn hostile_frames_and_floods_are_refused_while_normal_clients_are_served() {
         (
             "RegisterWorker",
             frame(
-                register(Role::Decode, cfg.geometry, cfg.decode.pool_pages),
+                register(
+                    "decode-9",
+                    Role::Decode,
+                    cfg.geometry,
+                    cfg.decode.pool_pages,
+                ),
                 0,
             ),
         ),
@@ -651,6 +676,8 @@ fn hostile_frames_and_floods_are_refused_while_normal_clients_are_served() {
                     pages_transferred: 0,
                     bytes_transferred: 0,
                     elapsed_us: 0,
+                    prefill_worker: String::new(),
+                    decode_worker: String::new(),
                 },
                 1,
             ),
@@ -687,75 +714,163 @@ fn hostile_frames_and_floods_are_refused_while_normal_clients_are_served() {
         |s| {
             let h = Hello {
                 role: Role::Client,
-                min_version: 2,
-                max_version: 9,
+                min_version: PROTOCOL_VERSION + 1,
+                max_version: PROTOCOL_VERSION + 8,
             };
             put(s, &frame(h, 0)).expect("write");
         },
     );
 
     // ---- impostor workers -----------------------------------------------------------------
+    // Each is refused before it joins: a registration that succeeded would add a worker (any
+    // new id may register), so every one below is wrong in exactly one way.
     let wrong = PageGeometry {
         layers: cfg.geometry.layers + 1,
         ..cfg.geometry
     };
-    let pool_len = cfg.prefill.pool_bytes(&cfg.geometry);
+    let page_bytes = cfg.geometry.bytes_per_page();
+    let tokens_per_page = u64::from(cfg.geometry.tokens_per_page);
+    let prefill_need = cfg
+        .geometry
+        .pages_for_tokens(u64::from(cfg.limits.max_context));
+    let decode_need = cfg
+        .geometry
+        .pages_for_tokens(u64::from(cfg.limits.max_context) + u64::from(cfg.limits.max_new_tokens));
+    // A read-only, sealed pool memfd of `pages` pages, as an honest prefill worker sends.
+    let read_only_pool = |pages: u32| {
+        let fd = memfd(u64::from(pages) * page_bytes);
+        libkv::sys::memfd::reopen_read_only(fd.as_fd()).expect("read-only fd")
+    };
+    let refused_before = counter(&stack.status().expect("status"), "registrations_refused");
+    let mut registrations = 0u64;
+    registrations += 1;
     attack(
         &stack,
         &mut victim,
         &mut tally,
         "prefill worker with a wrong geometry",
         Some(Role::Prefill),
-        Expect::Error("does not match"),
+        Expect::Code(
+            ErrorCode::Misconfigured,
+            vec!["has page geometry".into(), "kvctld has".into()],
+        ),
         |s| {
-            let fd = memfd(pool_len);
-            let f = frame(register(Role::Prefill, wrong, cfg.prefill.pool_pages), 0);
-            send(s, &f, &[fd.as_fd()]).expect("send");
-        },
-    );
-    attack(
-        &stack,
-        &mut victim,
-        &mut tally,
-        "prefill worker with a wrong pool size",
-        Some(Role::Prefill),
-        Expect::Error("does not match"),
-        |s| {
-            let fd = memfd(pool_len);
+            let fd = read_only_pool(cfg.prefill.pool_pages);
             let f = frame(
-                register(Role::Prefill, cfg.geometry, cfg.prefill.pool_pages + 1),
+                register("impostor-p", Role::Prefill, wrong, cfg.prefill.pool_pages),
                 0,
             );
             send(s, &f, &[fd.as_fd()]).expect("send");
         },
     );
+    let small_prefill = u32::try_from(prefill_need - 1).expect("pages");
+    registrations += 1;
     attack(
         &stack,
         &mut victim,
         &mut tally,
-        "second prefill worker while one is registered",
+        "prefill worker with a pool one page too small for max_context",
         Some(Role::Prefill),
-        Expect::Error("already registered"),
+        Expect::Code(
+            ErrorCode::Misconfigured,
+            vec![
+                format!("has a pool of {small_prefill} pages"),
+                format!("needs {prefill_need} pages"),
+            ],
+        ),
         |s| {
-            let fd = memfd(pool_len);
-            let ro = libkv::sys::memfd::reopen_read_only(fd.as_fd()).expect("read-only fd");
+            let fd = read_only_pool(small_prefill);
             let f = frame(
-                register(Role::Prefill, cfg.geometry, cfg.prefill.pool_pages),
+                register("impostor-p", Role::Prefill, cfg.geometry, small_prefill),
                 0,
             );
-            send(s, &f, &[ro.as_fd()]).expect("send");
+            send(s, &f, &[fd.as_fd()]).expect("send");
         },
     );
+    let small_decode = u32::try_from(decode_need - 1).expect("pages");
+    registrations += 1;
     attack(
         &stack,
         &mut victim,
         &mut tally,
-        "second decode worker while one is registered",
+        "decode worker with a pool one page too small for max_context + max_new_tokens",
         Some(Role::Decode),
-        Expect::Error("already registered"),
+        Expect::Code(
+            ErrorCode::Misconfigured,
+            vec![
+                format!("has a pool of {small_decode} pages"),
+                format!("needs {decode_need} pages"),
+                format!("({} tokens)", decode_need * tokens_per_page),
+            ],
+        ),
         |s| {
             let f = frame(
-                register(Role::Decode, cfg.geometry, cfg.decode.pool_pages),
+                register("impostor-d", Role::Decode, cfg.geometry, small_decode),
+                0,
+            );
+            put(s, &f).expect("write");
+        },
+    );
+    registrations += 1;
+    attack(
+        &stack,
+        &mut victim,
+        &mut tally,
+        "prefill worker attaching a writable pool fd",
+        Some(Role::Prefill),
+        Expect::Code(ErrorCode::Misconfigured, vec!["read-only".into()]),
+        |s| {
+            let fd = memfd(u64::from(cfg.prefill.pool_pages) * page_bytes);
+            let f = frame(
+                register(
+                    "impostor-p",
+                    Role::Prefill,
+                    cfg.geometry,
+                    cfg.prefill.pool_pages,
+                ),
+                0,
+            );
+            send(s, &f, &[fd.as_fd()]).expect("send");
+        },
+    );
+    registrations += 1;
+    attack(
+        &stack,
+        &mut victim,
+        &mut tally,
+        "a prefill worker under the id of the live prefill-0",
+        Some(Role::Prefill),
+        Expect::Error("registered by a live prefill worker"),
+        |s| {
+            let fd = read_only_pool(cfg.prefill.pool_pages);
+            let f = frame(
+                register(
+                    Daemon::Prefilld.name(),
+                    Role::Prefill,
+                    cfg.geometry,
+                    cfg.prefill.pool_pages,
+                ),
+                0,
+            );
+            send(s, &f, &[fd.as_fd()]).expect("send");
+        },
+    );
+    registrations += 1;
+    attack(
+        &stack,
+        &mut victim,
+        &mut tally,
+        "a decode worker under the id of the live decode-0",
+        Some(Role::Decode),
+        Expect::Error("registered by a live decode worker"),
+        |s| {
+            let f = frame(
+                register(
+                    Daemon::Decoded.name(),
+                    Role::Decode,
+                    cfg.geometry,
+                    cfg.decode.pool_pages,
+                ),
                 0,
             );
             put(s, &f).expect("write");
@@ -770,12 +885,30 @@ fn hostile_frames_and_floods_are_refused_while_normal_clients_are_served() {
         Expect::Error("file descriptors"),
         |s| {
             let f = frame(
-                register(Role::Prefill, cfg.geometry, cfg.prefill.pool_pages),
+                register(
+                    "impostor-p",
+                    Role::Prefill,
+                    cfg.geometry,
+                    cfg.prefill.pool_pages,
+                ),
                 0,
             );
             put(s, &f).expect("write");
         },
     );
+    let after_impostors = stack.status().expect("status");
+    let refused = counter(&after_impostors, "registrations_refused") - refused_before;
+    assert_eq!(
+        refused, registrations,
+        "registrations_refused rose by {refused} over {registrations} refused registrations"
+    );
+    for id in ["impostor-p", "impostor-d"] {
+        assert!(
+            find_worker(&after_impostors, id).is_none(),
+            "kvctld lists the refused {id}: {:#?}",
+            after_impostors.workers
+        );
+    }
     for (what, f) in [
         (
             "Freed",
@@ -831,9 +964,12 @@ fn hostile_frames_and_floods_are_refused_while_normal_clients_are_served() {
 
     let after_attacks = stack.status().expect("status");
     let errors_delta = counter(&after_attacks, "protocol_errors") - errors_before;
+    // A refused registration counts in registrations_refused (checked above), every other
+    // offence in protocol_errors.
     assert!(
-        errors_delta >= tally.attacks as u64,
-        "protocol_errors rose by {errors_delta} over {} offences",
+        errors_delta + registrations >= tally.attacks as u64,
+        "protocol_errors rose by {errors_delta} over {} offences ({registrations} of them \
+         refused registrations)",
         tally.attacks
     );
 

@@ -8,6 +8,7 @@
 //! by the same checks (the fault-injection build, when present).
 
 use kvctld::stack::{Stack, StackOptions, default_bin_dir, wait_until};
+use kvfence_tests::{counter, worker_counter};
 use libkv::RequestId;
 use libkv::config::Config;
 use libkv::proto::{self, ErrorCode, Hello, Message, Role, Submit};
@@ -17,26 +18,29 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-const WATCHED: [&str; 8] = [
-    "admitted",
-    "bootstraps",
-    "transfers",
-    "pages_transferred",
-    "decoded.frames_received",
-    "decoded.reserves",
-    "prefilld.frames_received",
-    "prefilld.prefill_runs",
+/// kvctld's own counters the replay watches.
+const WATCHED: [&str; 4] = ["admitted", "bootstraps", "transfers", "pages_transferred"];
+
+/// The workers' counters the replay watches, by worker id (each worker's own counters, from
+/// its `WorkerStatus`).
+const WATCHED_WORKERS: [(&str, &str); 4] = [
+    ("decode-0", "frames_received"),
+    ("decode-0", "reserves"),
+    ("prefill-0", "frames_received"),
+    ("prefill-0", "prefill_runs"),
 ];
 
 fn counters(stack: &Stack) -> Vec<(String, u64)> {
     let st = stack.status().expect("status");
-    WATCHED
+    let mut all: Vec<(String, u64)> = WATCHED
         .iter()
-        .map(|w| {
-            let v = st.counters.iter().find(|(n, _)| n == w).map_or(0, |c| c.1);
-            ((*w).to_owned(), v)
-        })
-        .collect()
+        .map(|w| ((*w).to_owned(), counter(&st, w).unwrap_or(0)))
+        .collect();
+    all.extend(WATCHED_WORKERS.iter().map(|(id, w)| {
+        let v = worker_counter(&st, id, w).unwrap_or(0);
+        (format!("{id}.{w}"), v)
+    }));
+    all
 }
 
 fn start(bin_dir: PathBuf, fault: Option<&str>) -> (tempfile::TempDir, Stack) {

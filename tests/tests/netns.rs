@@ -9,6 +9,7 @@
 
 use kvctld::client::GenerateOutcome;
 use kvctld::stack::{Daemon, Stack, StackOptions, default_bin_dir, error_chain};
+use kvfence_tests::worker_counter;
 use libkv::config::{Config, Transfer, TransportKind};
 use libkv::model::{ReferenceModel, monolithic, tokenize};
 use std::process::{Command, Stdio};
@@ -148,13 +149,16 @@ fn prefilld_and_decoded_on_two_network_namespaces_pull_over_tcp() {
     };
     let mut opts = StackOptions::new(config, dir.path().to_path_buf()).expect("options");
     opts.bin_dir = bin_dir;
-    opts.wrap[Daemon::Prefilld.index()] = Hosts::exec(&hosts.a);
-    opts.wrap[Daemon::Decoded.index()] = Hosts::exec(&hosts.b);
+    opts.wrap
+        .insert(Daemon::Prefilld.name().to_owned(), Hosts::exec(&hosts.a));
+    opts.wrap
+        .insert(Daemon::Decoded.name().to_owned(), Hosts::exec(&hosts.b));
     let stack = Stack::start(opts).unwrap_or_else(|e| {
         let logs: String = Daemon::ALL
             .iter()
             .map(|d| {
-                std::fs::read_to_string(dir.path().join(format!("{d}.log"))).unwrap_or_default()
+                std::fs::read_to_string(dir.path().join(format!("{}.log", d.name())))
+                    .unwrap_or_default()
             })
             .collect();
         panic!("starting the stack: {}\n{logs}", error_chain(&e))
@@ -201,12 +205,12 @@ fn prefilld_and_decoded_on_two_network_namespaces_pull_over_tcp() {
         );
     }
     let status = stack.status().expect("status");
-    let served = status
-        .counters
-        .iter()
-        .find(|(n, _)| n == "prefilld.pages_served")
-        .map_or(0, |(_, v)| *v);
-    assert!(served > 0, "no page went over TCP");
+    let served = worker_counter(&status, Daemon::Prefilld.name(), "pages_served").unwrap_or(0);
+    let pulled = worker_counter(&status, Daemon::Decoded.name(), "pages_pulled").unwrap_or(0);
+    assert!(
+        served > 0 && pulled > 0,
+        "no page went over TCP: prefill-0 served {served}, decode-0 pulled {pulled}"
+    );
     assert!(
         stack
             .log(Daemon::Prefilld)

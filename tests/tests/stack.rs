@@ -8,7 +8,7 @@
 
 use kvctld::client::{Client, ClientError, GenerateOutcome, REPLY_SLACK, exit};
 use kvctld::stack::{Daemon, Stack, StackOptions, error_chain, wait_until};
-use kvfence_tests::{LogsOnPanic, bin_dir};
+use kvfence_tests::{LogsOnPanic, bin_dir, role_counter, worker_counter};
 use libkv::config::{Config, Transfer, TransportKind};
 use libkv::model::{Output, ReferenceModel, monolithic, tokenize};
 use libkv::proto::{ErrorCode, Role, StatusReply, Transport};
@@ -59,14 +59,6 @@ fn prompt(tenant: &str, index: usize, len: usize) -> Vec<u8> {
     }
     p.truncate(len.max(1));
     p
-}
-
-fn counter(status: &StatusReply, name: &str) -> Option<u64> {
-    status
-        .counters
-        .iter()
-        .find(|(n, _)| n == name)
-        .map(|(_, v)| *v)
 }
 
 /// Whether every page of both pools is free, as kvctld last heard from the workers.
@@ -130,10 +122,10 @@ enum Moved {
     Rdma,
 }
 
-/// Fails unless prefilld's counters say the pages moved as `moved` says.
+/// Fails unless the prefill workers' counters say the pages moved as `moved` says.
 fn assert_transport(stack: &Stack, moved: Moved) {
     let s = stack.status().expect("status");
-    let get = |name: &str| counter(&s, &format!("prefilld.{name}")).unwrap_or(0);
+    let get = |name: &str| role_counter(&s, Role::Prefill, name);
     let served = get("pages_served");
     let (sessions, bound, revoked) = (
         get("rdma_sessions"),
@@ -266,15 +258,19 @@ fn oversize_request_is_rejected_before_any_worker_sees_it() {
     let (_dir, _logs, stack) = start(|_| {});
     let model = model(&stack);
     let limits = stack.config().limits;
+    let (prefill, decode) = (Daemon::Prefilld.name(), Daemon::Decoded.name());
     let watched = [
-        "prefilld.frames_received",
-        "decoded.frames_received",
-        "decoded.reserves",
-        "prefilld.prefill_runs",
+        (prefill, "frames_received"),
+        (decode, "frames_received"),
+        (decode, "reserves"),
+        (prefill, "prefill_runs"),
     ];
-    let snapshot = || -> BTreeMap<&str, Option<u64>> {
+    let snapshot = || -> BTreeMap<(&str, &str), Option<u64>> {
         let s = stack.status().expect("status");
-        watched.iter().map(|n| (*n, counter(&s, n))).collect()
+        watched
+            .iter()
+            .map(|&(id, n)| ((id, n), worker_counter(&s, id, n)))
+            .collect()
     };
     let before = snapshot();
 
@@ -340,8 +336,8 @@ fn oversize_request_is_rejected_before_any_worker_sees_it() {
     );
     let moved = wait_until(Duration::from_secs(5), || {
         let now = snapshot();
-        let up = |n: &str| now[n].unwrap_or(0) > before[n].unwrap_or(0);
-        (up("decoded.reserves") && up("prefilld.prefill_runs")).then_some(())
+        let up = |k: (&str, &str)| now[&k].unwrap_or(0) > before[&k].unwrap_or(0);
+        (up((decode, "reserves")) && up((prefill, "prefill_runs"))).then_some(())
     });
     assert!(
         moved.is_some(),
@@ -389,7 +385,7 @@ fn rdma_configured_on_a_host_without_it_serves_over_tcp_and_says_why_once() {
         return;
     }
     let begun = Instant::now();
-    let (dir, _logs, stack) = start(|c| {
+    let (_dir, _logs, stack) = start(|c| {
         c.transfer = Transfer {
             transport: TransportKind::Rdma,
             listen: Some("127.0.0.1:0".into()),
@@ -410,8 +406,8 @@ fn rdma_configured_on_a_host_without_it_serves_over_tcp_and_says_why_once() {
     );
     assert_transport(&stack, Moved::Tcp);
     for d in [Daemon::Prefilld, Daemon::Decoded] {
-        let log = std::fs::read_to_string(dir.path().join(format!("{}.log", d.binary())))
-            .expect("daemon log");
+        let log = stack.log(d);
+        assert!(!log.is_empty(), "{d} wrote no log");
         let said = log.lines().filter(|l| l.contains("RDMA off:")).count();
         assert_eq!(said, 1, "{d} says once why RDMA is off:\n{log}");
     }

@@ -2,9 +2,12 @@
 # The systemd integration test: boots systemd as PID 1 in a qemu guest (stock Debian kernel,
 # TCG), installs kvfence in it with the project's own scripts/install.sh, and through systemd
 # checks socket activation (a client connects before kvctld runs; systemd starts kvctld),
-# starts the workers, runs `kvctl generate --tenant t "hello"`, stops the stack gracefully and
-# uninstalls it. The guest powers off and reports its result; see tests/vm/guest-test.sh for
-# the steps.
+# starts two prefilld@ and two decoded@ instances under one kvctld, each reading its own
+# /etc/kvfence/<instance>.toml, checks in `kvctl status` that all four registered under their
+# instance names with their own pools, generates through them (draining one pair sends the
+# requests to the other; a drained worker stops and comes back), stops the stack gracefully
+# and uninstalls it. The guest powers off and reports its result; see tests/vm/guest-test.sh
+# for the steps.
 #
 # Usage: tests/vm/systemd-boot.sh [--no-build] [--no-setup]
 #   --no-build  use target/release/{kvctld,kvctl,prefilld,decoded} as they are
@@ -25,7 +28,7 @@ for a in "$@"; do
   case $a in
     --no-build) build=0 ;;
     --no-setup) setup=0 ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "systemd-boot: unknown argument $a" >&2; exit 1 ;;
   esac
 done
@@ -71,8 +74,11 @@ for b in "${bins[@]}"; do
     || cp "$target/release/$b" "$src/target/release/$b"
 done
 cp "$here/guest-test.sh" "$out/guest-test.sh"
-# A small stack on host memory: pages of 16 KiB, pools of 2 MiB, short deadlines.
-cat > "$out/kvfence-vm.toml" <<'EOT'
+# A small stack on host memory: pages of 16 KiB, pools of 2 MiB or less, short deadlines.
+# kvfence-vm.toml is kvctld's; each worker instance gets its own file, which differs from it
+# in the size of that worker's pool (so `kvctl status` shows which file each one read).
+vm_config() { # prefill_pages decode_pages
+  cat <<EOT
 [geometry]
 tokens_per_page = 16
 layers = 2
@@ -88,16 +94,24 @@ max_new_tokens = 256
 socket = "/run/kvfence/kvctld.sock"
 
 [prefill]
-pool_pages = 128
+pool_pages = $1
 backend = "host"
 
 [decode]
-pool_pages = 128
+pool_pages = $2
 backend = "host"
 
 [deadlines]
 drain = 2000
 EOT
+}
+# max_context 1024 needs 64 prefill pages, + max_new_tokens 256 needs 80 decode pages.
+# (guest-test.sh checks these sizes in kvctl status: keep them in step.)
+vm_config 128 128 > "$out/kvfence-vm.toml"
+vm_config 120 128 > "$out/prefill-0.toml"
+vm_config 96 128 > "$out/prefill-1.toml"
+vm_config 128 124 > "$out/decode-0.toml"
+vm_config 128 112 > "$out/decode-1.toml"
 chmod -R a+rX "$out"
 
 # shellcheck disable=SC2054  # the commas belong to qemu options

@@ -1,49 +1,84 @@
 //! kvctl: the command-line client of kvctld, and the local demo.
 //!
 //! ```text
-//! kvctl [--socket PATH | --config PATH] [--json] generate --tenant T [--max-new N] [--deadline-ms MS] PROMPT
-//! kvctl [--socket PATH | --config PATH] [--json] status
-//! kvctl [--json] demo [--requests N] [--keep-dir]
+//! kvctl [--socket PATH | --config PATH] [--json] [-v] generate --tenant T [--max-new N] [--deadline-ms MS] (PROMPT | --prompt-file PATH | -)
+//! kvctl [--socket PATH | --config PATH] [--json] [-v] status
+//! kvctl [--socket PATH | --config PATH] [--json] drain ID [--wait [--timeout-ms MS]]
+//! kvctl [--socket PATH | --config PATH] [--json] undrain ID
+//! kvctl --config PATH [--json] probe [--max-new N]
+//! kvctl [--json] demo [--requests N] [--prefill N] [--decode N] [--keep-dir]
 //! ```
 //!
+//! `status` lists every worker kvctld knows (id, role, pool, requests in flight, drain
+//! state, whether it is idle: a drained worker that is idle is safe to stop). `drain` keeps
+//! new requests off a worker, `--wait` then waits until it is idle (exit 4 if it is not by
+//! the timeout); `undrain` takes it back.
+//!
 //! Exit codes (see `kvctld::client::exit`): 0 ok, 1 usage or bad request, 3 rejected,
-//! 4 temporary (pool full, timeout, shutting down), 5 failed in the stack (verification,
-//! worker lost, internal, protocol), 6 cannot connect or not allowed, 7 output mismatch,
-//! 8 the demo's stack failed.
-
-// Printing results to stdout is this binary's job.
-#![allow(clippy::print_stdout)]
+//! 4 temporary (pool full, timeout, shutting down; a drain not idle in time), 5 failed in
+//! the stack (verification, worker lost, internal, protocol), 6 cannot connect or not
+//! allowed, 7 output mismatch, 8 the demo's stack failed.
+//!
+//! Output never panics: with stdout closed early (`kvctl status | head`) the rest is dropped
+//! quietly. With `--json`, stdout carries exactly one JSON object, an `error` object when
+//! the command failed (the message also goes to stderr).
 
 use clap::{Parser, Subcommand};
-use kvctld::client::{Client, ClientError, GenerateOutcome, exit};
+use kvctld::client::{Client, ClientError, GenerateOutcome, ServingPair, exit};
 use kvctld::stack::{Daemon, Stack, StackError, StackOptions, error_chain};
-use libkv::config::{Config, DEFAULT_SOCKET};
+use libkv::config::{Config, DEFAULT_SOCKET, Deadlines};
 use libkv::model::{Output, ReferenceModel, detokenize, monolithic, tokenize};
 use libkv::proto::{ErrorCode, Role, StatusReply, Transport, WorkerStatus};
 use serde_json::json;
-use std::io::Write;
+use std::cmp::Ordering as CmpOrdering;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
-/// Timeout of the handshake and of status queries.
+/// Timeout of the handshake and of status and drain queries.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often `drain --wait` asks kvctld whether the worker is idle.
+const DRAIN_POLL: Duration = Duration::from_millis(100);
 /// Most client threads the demo runs at once.
 const DEMO_MAX_THREADS: usize = 32;
 /// Longest the demo waits for the pools to be all free once the requests are done.
 const DEMO_DRAIN_WAIT: Duration = Duration::from_secs(3);
+/// Widest line of the demo's table of which pair served each request.
+const DEMO_TABLE_WIDTH: usize = 100;
 /// The demo's tenants, each with a secret its prompts carry and no other tenant may see.
 const DEMO_TENANTS: [(&str, &str); 2] =
     [("acme", "ACME-7731-orchid"), ("globex", "GLX-0420-falcon")];
+
+const AFTER_HELP: &str = "\
+Commands for operators:
+  kvctl status                  every worker: id, role, connected, pool pages and tokens,
+                                free pages, requests in flight, transports, drain state and
+                                STATE: busy, idle, draining, \"safe to stop\" (drained and
+                                idle) or disconnected; then kvctld's counters (-v: each
+                                worker's pages by state and its own counters)
+  kvctl drain ID --wait         keep new requests off worker ID and wait until it is idle,
+                                then stop it (systemctl stop prefilld@ID)
+  kvctl undrain ID              let new requests reach worker ID again
+                                (drain and undrain: root, kvctld's user or a uid of
+                                [control] worker_uids; others are refused, exit 6)
+  kvctl -v generate ...         also name the prefill and decode worker that served it
+
+Exit codes: 0 ok, 1 usage or bad request, 3 rejected, 4 temporary (pool full, timeout,
+shutting down, a drained worker not idle in time), 5 failed in the stack, 6 cannot connect
+or not allowed, 7 output mismatch (probe, demo), 8 the demo's stack failed.";
 
 #[derive(Debug, Parser)]
 #[command(
     name = "kvctl",
     version,
-    about = "Client of kvctld, and the local kvfence demo"
+    about = "Client of kvctld, and the local kvfence demo",
+    after_help = AFTER_HELP
 )]
 struct Cli {
     /// kvctld's control socket [default: the config's, else /run/kvfence/kvctld.sock].
@@ -52,16 +87,21 @@ struct Cli {
     /// Read the socket path and deadlines from this config file.
     #[arg(long, global = true, value_name = "PATH")]
     config: Option<PathBuf>,
-    /// Print machine-readable JSON on stdout.
+    /// Print one machine-readable JSON object on stdout (an error object on failure).
     #[arg(long, global = true)]
     json: bool,
+    /// More detail: which workers served a request; each worker's pages by state and
+    /// counters in `status`.
+    #[arg(short, long, global = true)]
+    verbose: bool,
     #[command(subcommand)]
     command: Command,
 }
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run one request; streams the output to stdout.
+    /// Run one request; streams the output to stdout, a summary to stderr (-v: which
+    /// prefill and decode worker served it).
     Generate {
         /// Tenant the request belongs to ([A-Za-z0-9_.-], 1 to 64 bytes).
         #[arg(long)]
@@ -72,11 +112,36 @@ enum Command {
         /// Request deadline in milliseconds [default: kvctld's].
         #[arg(long = "deadline-ms")]
         deadline_ms: Option<u32>,
-        /// The prompt (bytes are tokens).
-        prompt: String,
+        /// Read the prompt from this file (`-`: standard input), for prompts too long for
+        /// an argument.
+        #[arg(long = "prompt-file", value_name = "PATH", conflicts_with = "prompt")]
+        prompt_file: Option<PathBuf>,
+        /// The prompt (bytes are tokens); `-` reads it from standard input.
+        #[arg(required_unless_present = "prompt_file")]
+        prompt: Option<String>,
     },
-    /// Show workers, pools, limits and counters.
+    /// Show every worker (pool, free pages, requests in flight, transports, drain state,
+    /// whether it is safe to stop), limits and counters.
     Status,
+    /// Keep new requests off a worker; requests in flight on it finish. A drained worker
+    /// that is idle is safe to stop.
+    Drain {
+        /// The worker's id (its systemd instance name, or `[worker] id`).
+        id: String,
+        /// Wait until the worker is idle: exit 0 once it is, 4 at the timeout.
+        #[arg(long)]
+        wait: bool,
+        /// Longest to wait, in milliseconds [default: the longest a request may take,
+        /// `[deadlines]` admission_wait + request of --config, else of the defaults, plus
+        /// 5 s].
+        #[arg(long = "timeout-ms", requires = "wait", value_name = "MS")]
+        timeout_ms: Option<u64>,
+    },
+    /// Let new requests reach a drained worker again.
+    Undrain {
+        /// The worker's id.
+        id: String,
+    },
     /// Send canary requests through the live system and check every output against the
     /// monolithic model (needs --config for the model geometry). Exits 7 on any mismatch.
     Probe {
@@ -84,16 +149,66 @@ enum Command {
         #[arg(long = "max-new", default_value_t = 24)]
         max_new: u32,
     },
-    /// Start a local stack, run requests of two tenants concurrently, check every output
-    /// against the monolithic model, submit an oversize request, and stop the stack.
+    /// Start a local stack (kvctld, two prefill and two decode workers), run requests of two
+    /// tenants concurrently, show which pair served each, check every output against the
+    /// monolithic model and every page free at the end, submit an oversize request, and
+    /// stop the stack.
     Demo {
         /// Requests to run.
         #[arg(long, default_value_t = 8)]
         requests: usize,
+        /// Prefill workers to start.
+        #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=64))]
+        prefill: u16,
+        /// Decode workers to start.
+        #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=64))]
+        decode: u16,
         /// Keep the stack's directory (config and daemon logs).
         #[arg(long = "keep-dir")]
         keep_dir: bool,
     },
+}
+
+/// Set once a write to stdout failed: later output is dropped.
+static STDOUT_GONE: AtomicBool = AtomicBool::new(false);
+/// The first write error on stdout other than a closed pipe, reported at exit.
+static STDOUT_ERROR: Mutex<Option<io::Error>> = Mutex::new(None);
+
+/// Writes one line to stdout. A closed pipe (the reader exited, as `head` does) drops this
+/// and all later output quietly; another error is kept for [`main`] to report.
+fn out(args: fmt::Arguments<'_>) {
+    if STDOUT_GONE.load(Ordering::Relaxed) {
+        return;
+    }
+    let mut stdout = io::stdout().lock();
+    if let Err(e) = stdout
+        .write_fmt(args)
+        .and_then(|()| stdout.write_all(b"\n"))
+    {
+        stdout_failed(e);
+    }
+}
+
+fn stdout_failed(e: io::Error) {
+    STDOUT_GONE.store(true, Ordering::Relaxed);
+    if e.kind() != io::ErrorKind::BrokenPipe
+        && let Ok(mut first) = STDOUT_ERROR.lock()
+    {
+        first.get_or_insert(e);
+    }
+}
+
+/// `println!` that never panics (see [`out`]).
+macro_rules! outln {
+    () => { out(format_args!("")) };
+    ($($arg:tt)*) => { out(format_args!($($arg)*)) };
+}
+
+/// `eprintln!` that never panics: a closed stderr loses the message.
+macro_rules! errln {
+    ($($arg:tt)*) => {{
+        let _ = writeln!(io::stderr(), $($arg)*);
+    }};
 }
 
 /// A failure of a subcommand, with its exit code.
@@ -101,6 +216,10 @@ enum Command {
 struct Failure {
     code: u8,
     message: String,
+    /// kvctld's error code, when it answered with one.
+    server_code: Option<ErrorCode>,
+    /// The command already printed its JSON object for this failure.
+    reported: bool,
 }
 
 impl Failure {
@@ -108,13 +227,32 @@ impl Failure {
         Failure {
             code,
             message: message.into(),
+            server_code: None,
+            reported: false,
         }
+    }
+
+    /// The failure, marked as already printed in JSON.
+    fn reported(mut self) -> Failure {
+        self.reported = true;
+        self
+    }
+
+    fn json(&self) -> serde_json::Value {
+        json!({
+            "error": self.message,
+            "code": self.server_code.map(|c| c.to_string()),
+            "exit_code": self.code,
+        })
     }
 }
 
 impl From<ClientError> for Failure {
     fn from(e: ClientError) -> Failure {
-        Failure::new(e.exit_code(), error_chain(&e))
+        Failure {
+            server_code: e.server_code(),
+            ..Failure::new(e.exit_code(), error_chain(&e))
+        }
     }
 }
 
@@ -137,10 +275,23 @@ fn main() -> ExitCode {
         }
     };
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
-    match run(&cli) {
-        Ok(()) => ExitCode::from(exit::OK),
-        Err(f) => {
-            eprintln!("kvctl: {}", f.message);
+    let result = run(&cli);
+    if let Err(e) = io::stdout().lock().flush() {
+        stdout_failed(e);
+    }
+    let stdout_error = STDOUT_ERROR.lock().ok().and_then(|mut e| e.take());
+    match (result, stdout_error) {
+        (Ok(()), None) => ExitCode::from(exit::OK),
+        (Ok(()), Some(e)) => {
+            errln!("kvctl: writing to stdout: {e}");
+            ExitCode::from(exit::FAILED)
+        }
+        (Err(f), _) => {
+            if cli.json && !f.reported {
+                outln!("{}", f.json());
+                let _ = io::stdout().lock().flush();
+            }
+            errln!("kvctl: {}", f.message);
             ExitCode::from(f.code)
         }
     }
@@ -152,17 +303,38 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             tenant,
             max_new,
             deadline_ms,
+            prompt_file,
             prompt,
-        } => generate(cli, tenant, *max_new, deadline_ms.unwrap_or(0), prompt),
+        } => {
+            let prompt = read_prompt(prompt.as_deref(), prompt_file.as_deref())?;
+            generate(cli, tenant, *max_new, deadline_ms.unwrap_or(0), &prompt)
+        }
         Command::Status => status(cli),
+        Command::Drain {
+            id,
+            wait,
+            timeout_ms,
+        } => drain(cli, id, *wait, *timeout_ms),
+        Command::Undrain { id } => undrain(cli, id),
         Command::Probe { max_new } => probe(cli, *max_new),
-        Command::Demo { requests, keep_dir } => demo(cli.json, *requests, *keep_dir),
+        Command::Demo {
+            requests,
+            prefill,
+            decode,
+            keep_dir,
+        } => demo(
+            cli.json,
+            *requests,
+            (usize::from(*prefill), usize::from(*decode)),
+            *keep_dir,
+        ),
     }
 }
 
 /// Connects to the socket given by `--socket`, else the config's, else the default, with
-/// the config's default request deadline when there is one.
-fn connect(cli: &Cli) -> Result<Client, Failure> {
+/// the config's default request deadline when there is one. Returns the deadlines in
+/// force: the config's, else the defaults.
+fn connect(cli: &Cli) -> Result<(Client, Deadlines), Failure> {
     let config = match &cli.config {
         Some(path) => {
             Some(Config::load(path).map_err(|e| Failure::new(exit::USAGE, error_chain(&e)))?)
@@ -178,7 +350,57 @@ fn connect(cli: &Cli) -> Result<Client, Failure> {
     if let Some(c) = &config {
         client.set_default_deadline(c.deadlines.request() + c.deadlines.admission_wait());
     }
-    Ok(client)
+    Ok((client, config.map(|c| c.deadlines).unwrap_or_default()))
+}
+
+/// The prompt of `generate`: the argument, or the file (`--prompt-file -` and an argument
+/// of `-`: standard input). Refused before connecting when it is empty or longer than one
+/// Submit frame carries.
+fn read_prompt(arg: Option<&str>, file: Option<&Path>) -> Result<Vec<u8>, Failure> {
+    let max = libkv::proto::MAX_PROMPT_BYTES;
+    // One byte past the limit is enough to know a prompt is too long.
+    let cap = u64::try_from(max).unwrap_or(u64::MAX).saturating_add(1);
+    let read = |what: &str, r: &mut dyn io::Read| -> Result<Vec<u8>, Failure> {
+        use io::Read as _;
+        let mut bytes = Vec::new();
+        io::Read::take(r, cap)
+            .read_to_end(&mut bytes)
+            .map_err(|e| {
+                Failure::new(exit::USAGE, format!("reading the prompt from {what}: {e}"))
+            })?;
+        Ok(bytes)
+    };
+    let stdin = || read("standard input", &mut io::stdin().lock());
+    let (what, bytes) = match (arg, file) {
+        (_, Some(p)) if p == Path::new("-") => ("standard input".to_owned(), stdin()?),
+        (_, Some(p)) => {
+            let what = p.display().to_string();
+            let mut f = std::fs::File::open(p).map_err(|e| {
+                Failure::new(exit::USAGE, format!("opening the prompt file {what}: {e}"))
+            })?;
+            let bytes = read(&what, &mut f)?;
+            (what, bytes)
+        }
+        (Some("-"), None) => ("standard input".to_owned(), stdin()?),
+        (Some(text), None) => ("the argument".to_owned(), text.as_bytes().to_vec()),
+        (None, None) => return Err(Failure::new(exit::USAGE, "no prompt given")),
+    };
+    if bytes.len() > max {
+        return Err(Failure::new(
+            exit::USAGE,
+            format!(
+                "the prompt from {what} is longer than {max} bytes, the most one request \
+                 carries (one token per byte; kvctld's limits.max_context may be lower)"
+            ),
+        ));
+    }
+    if bytes.is_empty() {
+        return Err(Failure::new(
+            exit::USAGE,
+            format!("the prompt from {what} is empty"),
+        ));
+    }
+    Ok(bytes)
 }
 
 fn generate(
@@ -186,15 +408,14 @@ fn generate(
     tenant: &str,
     max_new: u32,
     deadline_ms: u32,
-    prompt: &str,
+    prompt: &[u8],
 ) -> Result<(), Failure> {
-    let mut client = connect(cli)?;
+    let (mut client, _) = connect(cli)?;
     let stream = !cli.json;
-    let mut stdout = std::io::stdout().lock();
     let start = Instant::now();
     let mut streamed = false;
-    let result = client.generate(tenant, prompt.as_bytes(), max_new, deadline_ms, |tokens| {
-        if stream {
+    let result = client.generate(tenant, prompt, max_new, deadline_ms, |tokens| {
+        if stream && !STDOUT_GONE.load(Ordering::Relaxed) {
             streamed = true;
             // Tokens are bytes; write them raw so multi-byte characters split across
             // frames come out whole. Output is best effort: a closed stdout must not stop
@@ -203,8 +424,10 @@ fn generate(
                 .iter()
                 .map(|&t| u8::try_from(t).unwrap_or(b'?'))
                 .collect();
-            let _ = stdout.write_all(&bytes);
-            let _ = stdout.flush();
+            let mut stdout = io::stdout().lock();
+            if let Err(e) = stdout.write_all(&bytes).and_then(|()| stdout.flush()) {
+                stdout_failed(e);
+            }
         }
     });
     let elapsed = start.elapsed();
@@ -212,22 +435,21 @@ fn generate(
         Ok(out) => out,
         Err(e) => {
             if streamed {
-                let _ = writeln!(stdout);
-            } else if !stream {
-                let failure = json!({
-                    "tenant": tenant,
-                    "error": error_chain(&e),
-                    "code": e.server_code().map(|c| c.to_string()),
-                    "exit_code": e.exit_code(),
-                });
-                let _ = writeln!(stdout, "{failure}");
+                outln!();
             }
-            return Err(e.into());
+            let failure = Failure::from(e);
+            if cli.json {
+                let mut v = failure.json();
+                v["tenant"] = json!(tenant);
+                outln!("{v}");
+                return Err(failure.reported());
+            }
+            return Err(failure);
         }
     };
     let d = &out.done;
     if stream {
-        let _ = writeln!(stdout);
+        outln!();
     } else {
         let value = json!({
             "request": out.request.0,
@@ -238,10 +460,12 @@ fn generate(
             "pages_transferred": d.pages_transferred,
             "bytes_transferred": d.bytes_transferred,
             "elapsed_us": d.elapsed_us,
+            "prefill_worker": out.pair.prefill,
+            "decode_worker": out.pair.decode,
         });
-        let _ = writeln!(stdout, "{value}");
+        outln!("{value}");
     }
-    eprintln!(
+    errln!(
         "{}: {} tokens, signature {:016x}, {} pages ({} bytes) transferred, {} us in the stack, {} us end to end",
         out.request,
         d.tokens,
@@ -251,7 +475,20 @@ fn generate(
         d.elapsed_us,
         elapsed.as_micros()
     );
+    if cli.verbose {
+        errln!(
+            "{}: served by prefill worker {} and decode worker {}",
+            out.request,
+            shown_id(&out.pair.prefill),
+            shown_id(&out.pair.decode)
+        );
+    }
     Ok(())
+}
+
+/// A worker id as shown: `?` when kvctld did not name it.
+fn shown_id(id: &str) -> &str {
+    if id.is_empty() { "?" } else { id }
 }
 
 fn role_name(role: Role) -> &'static str {
@@ -283,91 +520,312 @@ fn transport_name(t: Transport) -> &'static str {
     }
 }
 
+fn transports(w: &WorkerStatus) -> Vec<&'static str> {
+    w.transports.iter().copied().map(transport_name).collect()
+}
+
+/// What an operator may do with the worker now.
+fn worker_state(w: &WorkerStatus) -> &'static str {
+    match (w.connected, w.drain, w.idle()) {
+        (false, _, _) => "disconnected",
+        (true, true, true) => "safe to stop",
+        (true, true, false) => "draining",
+        (true, false, true) => "idle",
+        (true, false, false) => "busy",
+    }
+}
+
+/// Orders ids so that `prefill-2` comes before `prefill-10`: runs of digits compare as
+/// numbers.
+fn natural_cmp(a: &str, b: &str) -> CmpOrdering {
+    fn chunks(s: &str) -> Vec<(bool, &str)> {
+        let mut out = Vec::new();
+        let mut start = 0;
+        let bytes = s.as_bytes();
+        for i in 1..=bytes.len() {
+            if i == bytes.len() || bytes[i].is_ascii_digit() != bytes[start].is_ascii_digit() {
+                out.push((bytes[start].is_ascii_digit(), &s[start..i]));
+                start = i;
+            }
+        }
+        out
+    }
+    let (ca, cb) = (chunks(a), chunks(b));
+    for ((da, xa), (db, xb)) in ca.iter().zip(&cb) {
+        let ord = if *da && *db {
+            let (ta, tb) = (xa.trim_start_matches('0'), xb.trim_start_matches('0'));
+            ta.len().cmp(&tb.len()).then_with(|| ta.cmp(tb))
+        } else {
+            xa.cmp(xb)
+        };
+        if ord != CmpOrdering::Equal {
+            return ord;
+        }
+    }
+    ca.len().cmp(&cb.len()).then_with(|| a.cmp(b))
+}
+
+/// The workers of `status`, prefill first, each role in id order.
+fn sorted_workers(status: &StatusReply) -> Vec<&WorkerStatus> {
+    let rank = |r: Role| match r {
+        Role::Prefill => 0,
+        Role::Decode => 1,
+        Role::Client => 2,
+    };
+    let mut workers: Vec<&WorkerStatus> = status.workers.iter().collect();
+    workers.sort_by(|a, b| {
+        rank(a.role)
+            .cmp(&rank(b.role))
+            .then_with(|| natural_cmp(&a.id, &b.id))
+    });
+    workers
+}
+
+fn counters_json(counters: &[(String, u64)]) -> serde_json::Map<String, serde_json::Value> {
+    counters
+        .iter()
+        .map(|(k, v)| (k.clone(), json!(v)))
+        .collect()
+}
+
+fn worker_json(s: &StatusReply, w: &WorkerStatus) -> serde_json::Value {
+    json!({
+        "id": w.id,
+        "role": role_name(w.role),
+        "connected": w.connected,
+        "drain": w.drain,
+        "idle": w.idle(),
+        "safe_to_stop": w.drain && w.idle(),
+        "state": worker_state(w),
+        "in_flight": w.in_flight,
+        "held_pages": w.held_pages,
+        "served": w.served,
+        "transports": transports(w),
+        "pool_pages": w.pool_pages,
+        "tokens_per_page": w.tokens_per_page,
+        "capacity_tokens": capacity_tokens(w),
+        "request_tokens": request_tokens(s, w.role),
+        "free": w.free,
+        "reserved": w.reserved,
+        "writing": w.writing,
+        "readable": w.readable,
+        "draining": w.draining,
+        "counters": counters_json(&w.counters),
+    })
+}
+
 fn status(cli: &Cli) -> Result<(), Failure> {
-    let mut client = connect(cli)?;
+    let (mut client, _) = connect(cli)?;
     let s = client.status()?;
+    let workers = sorted_workers(&s);
     if cli.json {
-        let workers: Vec<_> = s
-            .workers
-            .iter()
-            .map(|w| {
-                json!({
-                    "role": role_name(w.role),
-                    "connected": w.connected,
-                    "pool_pages": w.pool_pages,
-                    "tokens_per_page": w.tokens_per_page,
-                    "capacity_tokens": capacity_tokens(w),
-                    "request_tokens": request_tokens(&s, w.role),
-                    "free": w.free,
-                    "reserved": w.reserved,
-                    "writing": w.writing,
-                    "readable": w.readable,
-                    "draining": w.draining,
-                })
-            })
-            .collect();
-        let counters: serde_json::Map<String, serde_json::Value> = s
-            .counters
-            .iter()
-            .map(|(k, v)| (k.clone(), json!(v)))
-            .collect();
         let value = json!({
             "generation": s.generation.0,
             "max_context": s.max_context,
             "max_new_tokens": s.max_new_tokens,
             "transport": s.transport.map(transport_name),
-            "workers": workers,
-            "counters": counters,
+            "workers": workers.iter().map(|w| worker_json(&s, w)).collect::<Vec<_>>(),
+            "counters": counters_json(&s.counters),
         });
-        println!("{value}");
+        outln!("{value}");
         return Ok(());
     }
-    println!("kvctld generation {}", s.generation.0);
-    println!(
+    outln!("kvctld generation {}", s.generation.0);
+    outln!(
         "limits: max_context {} tokens, max_new_tokens {}",
-        s.max_context, s.max_new_tokens
+        s.max_context,
+        s.max_new_tokens
     );
-    println!(
+    outln!(
         "transport: {}",
-        s.transport
-            .map_or("none yet (workers not both registered)", transport_name)
+        s.transport.map_or(
+            "none yet (no prefill and decode worker registered)",
+            transport_name
+        )
     );
-    println!(
-        "{:<8} {:<5} {:>7} {:>7} {:>8} {:>7} {:>8} {:>8}  capacity vs one largest request",
-        "worker", "conn", "pages", "free", "reserved", "writing", "readable", "draining"
+    if workers.is_empty() {
+        outln!("workers: none registered");
+    } else {
+        print_workers(&s, &workers, cli.verbose);
+    }
+    if !s.counters.is_empty() {
+        outln!("kvctld counters:");
+        print_counters("  ", &s.counters);
+    }
+    Ok(())
+}
+
+fn print_counters(indent: &str, counters: &[(String, u64)]) {
+    let width = counters.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    for (k, v) in counters {
+        outln!("{indent}{k:<width$} {v}");
+    }
+}
+
+/// The table of workers: one line each; with `verbose`, then each one's pages by state
+/// and its own counters.
+fn print_workers(s: &StatusReply, workers: &[&WorkerStatus], verbose: bool) {
+    let idw = workers
+        .iter()
+        .map(|w| w.id.len())
+        .max()
+        .unwrap_or(0)
+        .max("worker".len());
+    outln!(
+        "{:<idw$}  {:<7}  {:<4}  {:<5}  {:<12}  {:>6}  {:>6}  {:>7}  {:>9}  {:>7}  {:<12}  {:>4}",
+        "worker",
+        "role",
+        "conn",
+        "drain",
+        "state",
+        "flight",
+        "held",
+        "pages",
+        "tokens",
+        "free",
+        "transports",
+        "fits"
     );
-    for role in [Role::Prefill, Role::Decode] {
-        let Some(w) = s.workers.iter().find(|w| w.role == role) else {
-            println!("{:<8} not registered", role_name(role));
-            continue;
-        };
-        let cap = capacity_tokens(w);
-        let need = request_tokens(&s, role);
-        let what = match role {
-            Role::Decode => "max_context + max_new_tokens",
-            Role::Prefill | Role::Client => "max_context",
-        };
-        println!(
-            "{:<8} {:<5} {:>7} {:>7} {:>8} {:>7} {:>8} {:>8}  {cap} tokens ({} pages of {}) vs {what} = {need}: {} at once",
-            role_name(role),
-            if w.connected { "yes" } else { "no" },
+    let yes_no = |b: bool| if b { "yes" } else { "no" };
+    for w in workers {
+        let need = request_tokens(s, w.role);
+        outln!(
+            "{:<idw$}  {:<7}  {:<4}  {:<5}  {:<12}  {:>6}  {:>6}  {:>7}  {:>9}  {:>7}  {:<12}  {:>4}",
+            w.id,
+            role_name(w.role),
+            yes_no(w.connected),
+            yes_no(w.drain),
+            worker_state(w),
+            w.in_flight,
+            w.held_pages,
             w.pool_pages,
+            capacity_tokens(w),
+            w.free,
+            transports(w).join(","),
+            capacity_tokens(w).checked_div(need).unwrap_or(0),
+        );
+    }
+    outln!(
+        "flight: requests in flight; held: pages lent against the pool; tokens: pages x {}",
+        workers.first().map_or(0, |w| w.tokens_per_page)
+    );
+    outln!(
+        "fits: largest requests the pool holds at once ({} tokens on prefill, {} on decode); \
+         safe to stop: drained and idle",
+        request_tokens(s, Role::Prefill),
+        request_tokens(s, Role::Decode),
+    );
+    if !verbose {
+        return;
+    }
+    for w in workers {
+        outln!(
+            "{}: pages free {}, reserved {}, writing {}, readable {}, draining {}; served {} requests",
+            w.id,
             w.free,
             w.reserved,
             w.writing,
             w.readable,
             w.draining,
-            w.pool_pages,
-            w.tokens_per_page,
-            cap.checked_div(need).unwrap_or(0),
+            w.served
+        );
+        print_counters("  ", &w.counters);
+    }
+}
+
+/// The line `drain`, `drain --wait` and `undrain` print about the worker.
+fn drain_line(w: &WorkerStatus) -> String {
+    match (w.drain, w.idle()) {
+        (true, true) => format!("{}: drained and idle: safe to stop", w.id),
+        (true, false) => format!(
+            "{}: drained; {} requests in flight, {} pages held",
+            w.id, w.in_flight, w.held_pages
+        ),
+        (false, _) => format!("{}: taking new requests", w.id),
+    }
+}
+
+fn drain(cli: &Cli, id: &str, wait: bool, timeout_ms: Option<u64>) -> Result<(), Failure> {
+    let (mut client, deadlines) = connect(cli)?;
+    let start = Instant::now();
+    let mut w = client.drain(id, true)?;
+    let timeout = timeout_ms.map_or_else(
+        || deadlines.admission_wait() + deadlines.request() + kvctld::client::REPLY_SLACK,
+        Duration::from_millis,
+    );
+    let mut last = None;
+    if wait {
+        while !w.idle() {
+            if start.elapsed() >= timeout {
+                let message = format!(
+                    "{id} is drained but not idle after {} ms: {} requests in flight, {} pages held",
+                    start.elapsed().as_millis(),
+                    w.in_flight,
+                    w.held_pages
+                );
+                let failure = Failure::new(exit::UNAVAILABLE, message);
+                if cli.json {
+                    let mut v = failure.json();
+                    v["worker"] = last.as_ref().map_or_else(
+                        || json!({ "id": w.id, "in_flight": w.in_flight }),
+                        |s| worker_json(s, &w),
+                    );
+                    outln!("{v}");
+                    return Err(failure.reported());
+                }
+                return Err(failure);
+            }
+            thread::sleep(DRAIN_POLL.min(timeout.saturating_sub(start.elapsed())));
+            let s = client.status()?;
+            let Some(now) = s.workers.iter().find(|x| x.id == id).cloned() else {
+                return Err(Failure::new(
+                    exit::FAILED,
+                    format!("kvctld no longer lists worker {id} (it was drained)"),
+                ));
+            };
+            w = now;
+            last = Some(s);
+        }
+    }
+    if cli.json {
+        let s = match last {
+            Some(s) => s,
+            None => client.status()?,
+        };
+        outln!(
+            "{}",
+            json!({
+                "worker": worker_json(&s, &w),
+                "waited_ms": start.elapsed().as_millis(),
+            })
+        );
+    } else if wait {
+        outln!(
+            "{} (waited {} ms)",
+            drain_line(&w),
+            start.elapsed().as_millis()
+        );
+    } else if w.idle() {
+        outln!("{}", drain_line(&w));
+    } else {
+        outln!(
+            "{} (`kvctl drain {id} --wait` waits until it is idle)",
+            drain_line(&w)
         );
     }
-    if !s.counters.is_empty() {
-        println!("counters:");
-        let width = s.counters.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
-        for (k, v) in &s.counters {
-            println!("  {k:<width$} {v}");
-        }
+    Ok(())
+}
+
+fn undrain(cli: &Cli, id: &str) -> Result<(), Failure> {
+    let (mut client, _) = connect(cli)?;
+    let w = client.drain(id, false)?;
+    if cli.json {
+        let s = client.status()?;
+        outln!("{}", json!({ "worker": worker_json(&s, &w) }));
+    } else if w.drain {
+        outln!("{}: still drained: the worker is stopping", w.id);
+    } else {
+        outln!("{}", drain_line(&w));
     }
     Ok(())
 }
@@ -391,7 +849,12 @@ fn demo_prompt(index: usize) -> (&'static str, String) {
     )
 }
 
-fn demo(json_out: bool, requests: usize, keep_dir: bool) -> Result<(), Failure> {
+fn demo(
+    json_out: bool,
+    requests: usize,
+    (prefill, decode): (usize, usize),
+    keep_dir: bool,
+) -> Result<(), Failure> {
     let dir = tempfile::Builder::new()
         .prefix("kvfence-demo.")
         .tempdir_in("/tmp")
@@ -401,14 +864,15 @@ fn demo(json_out: bool, requests: usize, keep_dir: bool) -> Result<(), Failure> 
         .map_err(|e| Failure::new(exit::STACK, format!("reference model: {e}")))?;
     let say = |line: String| {
         if !json_out {
-            println!("{line}");
+            outln!("{line}");
         }
     };
     say(format!(
-        "kvfence demo: starting kvctld, prefilld and decoded in {}",
+        "kvfence demo: starting kvctld, {prefill} prefill and {decode} decode workers in {}",
         dir.path().display()
     ));
-    let opts = StackOptions::new(config.clone(), dir.path().to_path_buf())?;
+    let opts =
+        StackOptions::new(config.clone(), dir.path().to_path_buf())?.with_workers(prefill, decode);
     build_missing_daemons(&opts.bin_dir, json_out)?;
     let started = Stack::start(opts);
     let mut stack = match started {
@@ -428,7 +892,7 @@ fn demo(json_out: bool, requests: usize, keep_dir: bool) -> Result<(), Failure> 
     let pids: Vec<String> = stack
         .pids()
         .iter()
-        .map(|(d, p)| format!("{d} pid {p}"))
+        .map(|(name, p)| format!("{name} pid {p}"))
         .collect();
     say(format!("stack up: {}", pids.join(", ")));
 
@@ -444,7 +908,7 @@ fn demo(json_out: bool, requests: usize, keep_dir: bool) -> Result<(), Failure> 
                 .map(|e| {
                     format!(
                         "{} {}{}",
-                        e.daemon,
+                        e.name,
                         e.status,
                         if e.killed { " (killed)" } else { "" }
                     )
@@ -466,19 +930,22 @@ fn demo(json_out: bool, requests: usize, keep_dir: bool) -> Result<(), Failure> 
             if json_out {
                 summary["stop"] = json!(stop_line);
                 summary["dir"] = json!(kept.as_ref().map(|p| p.display().to_string()));
-                println!("{summary}");
+                outln!("{summary}");
             } else {
-                println!("{stop_line}");
+                outln!("{stop_line}");
                 if let Some(k) = &kept {
-                    println!("config and logs kept in {}", k.display());
+                    outln!("config and logs kept in {}", k.display());
                 }
+            }
+            if stop.as_ref().is_ok_and(|r| !r.is_clean()) || stop.is_err() {
+                return Err(Failure::new(exit::STACK, stop_line).reported());
             }
             Ok(())
         }
         Err(f) => {
-            eprintln!("{stop_line}");
+            errln!("{stop_line}");
             if let Some(k) = &kept {
-                eprintln!("config and logs kept in {}", k.display());
+                errln!("config and logs kept in {}", k.display());
             }
             Err(f)
         }
@@ -511,9 +978,9 @@ fn build_missing_daemons(bin_dir: &Path, json_out: bool) -> Result<(), Failure> 
         bin_dir.display()
     );
     if json_out {
-        eprintln!("{line}");
+        errln!("{line}");
     } else {
-        println!("{line}");
+        outln!("{line}");
     }
     let status = std::process::Command::new(cargo)
         .args(["build", "--workspace", "--bins", "--profile", profile])
@@ -528,6 +995,54 @@ fn build_missing_daemons(bin_dir: &Path, json_out: bool) -> Result<(), Failure> 
         ));
     }
     Ok(())
+}
+
+/// The table of which worker served each request: a row per worker, a column per request
+/// (its index), `x` where the worker took part; requests that failed are marked in a last
+/// row. Wrapped into blocks of columns so no line is wider than [`DEMO_TABLE_WIDTH`].
+fn pair_table(workers: &[String], runs: &[DemoRun]) -> Vec<String> {
+    let label_w = workers
+        .iter()
+        .map(String::len)
+        .chain(["failed".len(), "request".len()])
+        .max()
+        .unwrap_or(0);
+    let col_w = runs
+        .iter()
+        .map(|r| r.index.to_string().len())
+        .max()
+        .unwrap_or(1)
+        + 1;
+    let per_block = (DEMO_TABLE_WIDTH.saturating_sub(label_w) / col_w).max(1);
+    let any_failed = runs.iter().any(|r| r.result.is_err());
+    let mut lines = Vec::new();
+    for block in runs.chunks(per_block) {
+        let mut header = format!("{:<label_w$}", "request");
+        for r in block {
+            header.push_str(&format!("{:>col_w$}", r.index));
+        }
+        lines.push(header);
+        for id in workers {
+            let mut line = format!("{id:<label_w$}");
+            for r in block {
+                let served = r
+                    .result
+                    .as_ref()
+                    .is_ok_and(|o| o.pair.prefill == *id || o.pair.decode == *id);
+                line.push_str(&format!("{:>col_w$}", if served { "x" } else { "." }));
+            }
+            lines.push(line.trim_end().to_owned());
+        }
+        if any_failed {
+            let mut line = format!("{:<label_w$}", "failed");
+            for r in block {
+                let mark = if r.result.is_err() { "x" } else { "." };
+                line.push_str(&format!("{mark:>col_w$}"));
+            }
+            lines.push(line);
+        }
+    }
+    lines
 }
 
 /// Runs the requests and the oversize request against a started stack; the JSON summary,
@@ -550,6 +1065,8 @@ fn demo_run(
             .map_err(|e| Failure::new(exit::STACK, format!("monolithic model: {e}")))?;
         plan.push((index, tenant, prompt, max_new, expected));
     }
+    let mut workers = stack.worker_ids(Role::Prefill);
+    workers.extend(stack.worker_ids(Role::Decode));
 
     let next = AtomicUsize::new(0);
     let runs: Mutex<Vec<DemoRun>> = Mutex::new(Vec::with_capacity(requests));
@@ -601,6 +1118,8 @@ fn demo_run(
     let (mut pages, mut bytes) = (0u64, 0u64);
     let mut first_failure: Option<u8> = None;
     let mut json_runs = Vec::new();
+    let mut served_by: BTreeMap<String, u64> = workers.iter().map(|w| (w.clone(), 0)).collect();
+    let mut pairs: BTreeMap<ServingPair, u64> = BTreeMap::new();
     for r in &runs {
         let expected_text = detokenize(&r.expected.tokens);
         match &r.result {
@@ -609,6 +1128,10 @@ fn demo_run(
                 let sig_ok = o.done.signature == r.expected.signature;
                 pages += u64::from(o.done.pages_transferred);
                 bytes += o.done.bytes_transferred;
+                for id in [&o.pair.prefill, &o.pair.decode] {
+                    *served_by.entry(shown_id(id).to_owned()).or_default() += 1;
+                }
+                *pairs.entry(o.pair.clone()).or_default() += 1;
                 let verdict = if tokens_ok && sig_ok {
                     ok += 1;
                     "ok"
@@ -617,22 +1140,25 @@ fn demo_run(
                     "MISMATCH"
                 };
                 if !json_out {
-                    println!(
-                        "#{} {} {}: {verdict} (tokens {}, signature {}), {:.1} ms",
+                    outln!(
+                        "#{} {} {} via {}: {verdict} (tokens {}, signature {}), {:.1} ms",
                         r.index,
                         r.tenant,
                         o.request,
+                        o.pair,
                         if tokens_ok { "match" } else { "DIFFER" },
                         if sig_ok { "matches" } else { "DIFFERS" },
                         ms(r.latency)
                     );
-                    println!("    output   {:?}", detokenize(&o.tokens));
-                    println!("    expected {expected_text:?}");
+                    outln!("    output   {:?}", detokenize(&o.tokens));
+                    outln!("    expected {expected_text:?}");
                 }
                 json_runs.push(json!({
                     "index": r.index,
                     "tenant": r.tenant,
                     "request": o.request.0,
+                    "prefill_worker": o.pair.prefill,
+                    "decode_worker": o.pair.decode,
                     "prompt": r.prompt,
                     "output": detokenize(&o.tokens),
                     "expected": expected_text,
@@ -651,7 +1177,7 @@ fn demo_run(
                 let msg = error_chain(e);
                 first_failure = first_failure.or(Some(e.exit_code()));
                 if !json_out {
-                    println!(
+                    outln!(
                         "#{} {}: FAILED after {:.1} ms: {msg}",
                         r.index,
                         r.tenant,
@@ -666,6 +1192,12 @@ fn demo_run(
                     "latency_us": r.latency.as_micros(),
                 }));
             }
+        }
+    }
+    if !json_out && !runs.is_empty() {
+        outln!("which workers served each request (x), one column per request:");
+        for line in pair_table(&workers, &runs) {
+            outln!("  {line}");
         }
     }
 
@@ -692,20 +1224,23 @@ fn demo_run(
         ),
     };
     if !json_out {
-        println!(
+        outln!(
             "oversize request ({oversize_len} tokens, max_context {}): {oversize_line}",
             config.limits.max_context
         );
     }
 
-    // Every page must be back on the free lists once the requests are over.
+    // Every page of every worker must be back on the free lists once the requests are over.
     let pools_free = |s: &StatusReply| {
-        s.workers.len() >= 2
-            && s.workers.iter().all(|w| {
-                w.connected
+        workers.iter().all(|id| {
+            s.workers.iter().any(|w| {
+                w.id == *id
+                    && w.connected
+                    && w.idle()
                     && w.free == w.pool_pages
                     && w.reserved + w.writing + w.readable + w.draining == 0
             })
+        })
     };
     let mut last_status = None;
     let drained = kvctld::stack::wait_until(DEMO_DRAIN_WAIT, || {
@@ -716,17 +1251,9 @@ fn demo_run(
     })
     .is_some();
     let pools_line = match &last_status {
-        Some(s) => s
-            .workers
+        Some(s) => sorted_workers(s)
             .iter()
-            .map(|w| {
-                format!(
-                    "{} {}/{} pages free",
-                    role_name(w.role),
-                    w.free,
-                    w.pool_pages
-                )
-            })
+            .map(|w| format!("{} {}/{} pages free", w.id, w.free, w.pool_pages))
             .collect::<Vec<_>>()
             .join(", "),
         None => "status unavailable".to_owned(),
@@ -745,18 +1272,29 @@ fn demo_run(
         .sum::<Duration>()
         .checked_div(u32::try_from(latencies.len().max(1)).unwrap_or(u32::MAX))
         .unwrap_or_default();
+    // In the stack's order (prefill workers first), then any id the stack does not have.
+    let served_line = workers
+        .iter()
+        .chain(served_by.keys().filter(|id| !workers.contains(id)))
+        .map(|id| format!("{id} {}", served_by.get(id).copied().unwrap_or(0)))
+        .collect::<Vec<_>>()
+        .join(", ");
     if !json_out {
-        println!(
+        outln!(
             "pools after the run: {pools_line}{}",
             if drained { "" } else { " (PAGES STILL HELD)" }
         );
-        println!(
+        outln!(
             "summary: {requests} requests from {} tenants: {ok} ok, {mismatched} mismatched, {failed} failed; oversize request {}",
             DEMO_TENANTS.len().min(requests),
             if rejected { "rejected" } else { "NOT rejected" }
         );
-        println!("  transferred {pages} pages, {bytes} bytes of KV");
-        println!(
+        outln!(
+            "  requests served per worker: {served_line}; {} distinct pairs",
+            pairs.len()
+        );
+        outln!("  transferred {pages} pages, {bytes} bytes of KV");
+        outln!(
             "  total {:.1} ms; latency mean {:.2} ms, p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
             ms(total),
             ms(mean),
@@ -766,6 +1304,7 @@ fn demo_run(
         );
     }
     let summary = json!({
+        "workers": workers,
         "requests": json_runs,
         "oversize": {
             "tokens": oversize_len,
@@ -777,6 +1316,11 @@ fn demo_run(
             "ok": ok,
             "mismatched": mismatched,
             "failed": failed,
+            "served_by": served_by,
+            "pairs": pairs
+                .iter()
+                .map(|(p, n)| json!({ "prefill_worker": p.prefill, "decode_worker": p.decode, "requests": n }))
+                .collect::<Vec<_>>(),
             "pages_transferred": pages,
             "bytes_transferred": bytes,
             "total_us": total.as_micros(),
@@ -790,7 +1334,7 @@ fn demo_run(
     });
     if mismatched > 0 || !rejected {
         if json_out {
-            println!("{summary}");
+            outln!("{summary}");
         }
         return Err(Failure::new(
             exit::MISMATCH,
@@ -802,11 +1346,12 @@ fn demo_run(
                     "; the oversize request was not rejected"
                 }
             ),
-        ));
+        )
+        .reported());
     }
     if failed > 0 || !drained {
         if json_out {
-            println!("{summary}");
+            outln!("{summary}");
         }
         let code = first_failure.unwrap_or(exit::FAILED);
         return Err(Failure::new(
@@ -819,7 +1364,8 @@ fn demo_run(
                     "; pages still held after the run: "
                 }
             ) + if drained { "" } else { &pools_line },
-        ));
+        )
+        .reported());
     }
     Ok(summary)
 }
@@ -858,17 +1404,18 @@ fn probe(cli: &Cli, max_new: u32) -> Result<(), Failure> {
             "errors": report.errors,
             "coherent": report.is_coherent(),
         });
-        println!("{v}");
+        outln!("{v}");
     } else {
-        println!(
+        outln!(
             "probe: {} of {} canaries matched the monolithic path",
-            report.matched, report.requests
+            report.matched,
+            report.requests
         );
         for m in &report.mismatches {
-            println!("  MISMATCH {m}");
+            outln!("  MISMATCH {m}");
         }
         for e in &report.errors {
-            println!("  error: {e}");
+            outln!("  error: {e}");
         }
     }
     if !report.mismatches.is_empty() {
@@ -876,16 +1423,66 @@ fn probe(cli: &Cli, max_new: u32) -> Result<(), Failure> {
             "coherence probe: {} outputs differ from the monolithic path",
             report.mismatches.len()
         );
-        return Err(Failure::new(
-            exit::MISMATCH,
-            "outputs differ from the monolithic path",
-        ));
+        return Err(
+            Failure::new(exit::MISMATCH, "outputs differ from the monolithic path").reported(),
+        );
     }
     if !report.errors.is_empty() {
         return Err(Failure::new(
             exit::UNAVAILABLE,
             "some canaries failed; coherence not shown",
-        ));
+        )
+        .reported());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_sort_with_numbers_as_numbers() {
+        let mut ids = vec![
+            "prefill-10",
+            "prefill-2",
+            "gpu1",
+            "prefill-02x",
+            "a",
+            "prefill-1",
+        ];
+        ids.sort_by(|a, b| natural_cmp(a, b));
+        assert_eq!(
+            ids,
+            [
+                "a",
+                "gpu1",
+                "prefill-1",
+                "prefill-2",
+                "prefill-02x",
+                "prefill-10"
+            ]
+        );
+        assert_eq!(natural_cmp("x-01", "x-1"), CmpOrdering::Less);
+    }
+
+    #[test]
+    fn the_cli_parses_drain_and_refuses_a_timeout_without_wait() {
+        let cli =
+            Cli::try_parse_from(["kvctl", "drain", "gpu0", "--wait", "--timeout-ms", "5"]).unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Drain {
+                ref id,
+                wait: true,
+                timeout_ms: Some(5)
+            } if id == "gpu0"
+        ));
+        assert!(Cli::try_parse_from(["kvctl", "drain", "gpu0", "--timeout-ms", "5"]).is_err());
+        assert!(Cli::try_parse_from(["kvctl", "undrain"]).is_err());
+        let cli = Cli::try_parse_from(["kvctl", "-v", "--json", "status"]).unwrap();
+        assert!(cli.verbose && cli.json);
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
 }

@@ -16,9 +16,9 @@
 
 use libkv::admission::{self, Limits, RequestSpec};
 use libkv::config::{PoisonMode, Scrub};
-use libkv::memory::{ForeignPool, HostMemory};
+use libkv::memory::{ForeignPool, HostMemory, PoolMemory};
 use libkv::pool::{PagePool, PoolOptions};
-use libkv::verify::{Manifest, page_digest};
+use libkv::verify::{Manifest, VerifiedKv, page_digest};
 use libkv::{Dtype, Generation, Owner, PageGeometry, RequestId};
 use std::collections::VecDeque;
 use std::hint::black_box;
@@ -27,7 +27,8 @@ use std::os::fd::AsFd;
 use std::time::Instant;
 
 const ROUNDS: usize = 7;
-
+/// Rounds of the transfer figures (each pass of a round sweeps 256 MiB).
+const TRANSFER_ROUNDS: usize = 11;
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -40,8 +41,32 @@ fn owner(n: u64) -> Owner {
     }
 }
 
+/// `kvbench [control] [transfer] [wipe]`: the sections named, or all of them.
 fn main() -> std::io::Result<()> {
     let mut out = std::io::stdout().lock();
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let wanted = |name: &str| args.is_empty() || args.iter().any(|a| a == name);
+    if let Some(a) = args
+        .iter()
+        .find(|a| !["control", "transfer", "wipe"].contains(&a.as_str()))
+    {
+        eprintln!("kvbench: unknown section {a} (control, transfer, wipe)");
+        std::process::exit(2);
+    }
+    if wanted("control") {
+        control(&mut out)?;
+    }
+    if wanted("transfer") {
+        transfer(&mut out)?;
+    }
+    if wanted("wipe") {
+        wipe_cost(&mut out)?;
+    }
+    Ok(())
+}
+
+/// Admission, rejection, coverage and digest figures.
+fn control(out: &mut impl Write) -> std::io::Result<()> {
     // Small pages keep the pools cheap to allocate; admission cost does not depend on bytes.
     let g = PageGeometry {
         tokens_per_page: 16,
@@ -141,8 +166,6 @@ fn main() -> std::io::Result<()> {
         rates.push(64.0 * page.len() as f64 / t.elapsed().as_secs_f64() / 1e9);
     }
     writeln!(out, "page digest (crc32c): {:.2} GB/s", median(rates))?;
-    transfer(&mut out)?;
-    wipe_cost(&mut out)?;
     Ok(())
 }
 
@@ -153,6 +176,184 @@ fn cpu_pressure_us() -> Option<u64> {
     some.split_whitespace()
         .find_map(|f| f.strip_prefix("total="))
         .and_then(|v| v.parse().ok())
+}
+
+/// One batch of the shared-memory pull: which source page goes to which decode page.
+type Batch = Vec<(libkv::PageId, libkv::PageId)>;
+
+/// What each measured pass does with the same batches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pass {
+    /// memcpy of the same pages between the same two mappings (no pool, no digest).
+    Memcpy(usize),
+    /// The pull without a digest: reserve, grant, copy each page, drop the grant.
+    Pull,
+    /// The pull as decoded does it: reserve, grant, copy and digest fused, verify.
+    PullVerify(usize),
+    /// The pull as it was before the fused path: copy every page, then verify (a second
+    /// pass that digests every page).
+    CopyThenVerify,
+    /// memcpy between two heap buffers, one call per batch (the baseline of earlier runs).
+    HeapMemcpy,
+    /// The memcpy again, as a pass of its own: its ratio to the memcpy before it shows how
+    /// far two identical passes differ here (the floor under every other ratio).
+    Control(usize),
+}
+
+impl Pass {
+    fn threads(self) -> usize {
+        match self {
+            Pass::Memcpy(t) | Pass::PullVerify(t) | Pass::Control(t) => t,
+            _ => 1,
+        }
+    }
+}
+
+struct Rig {
+    g: PageGeometry,
+    page: usize,
+    pages: u32,
+    source: ForeignPool,
+    decode: PagePool,
+    /// A second mapping of the decode pool's memory, for the memcpy baseline.
+    decode_map: memmap2::MmapMut,
+    /// Digest of each source page (what prefill puts in the manifest).
+    digests: Vec<u32>,
+    heap_src: Vec<u8>,
+    heap_dst: Vec<u8>,
+    next_id: u64,
+}
+
+impl Rig {
+    /// Runs `pass` over one pass of the pools (`batches` of `n` pages) and returns the
+    /// bytes per second and, for the pulls, the batches as they were laid out.
+    fn run(&mut self, pass: Pass, n: usize, last: &[Batch]) -> (f64, Vec<Batch>) {
+        let tokens = u32::try_from(n).unwrap_or(1) * self.g.tokens_per_page;
+        let batches = usize::try_from(self.pages).unwrap_or(1) / n;
+        // A window of live reservations makes the destination cycle through the whole
+        // decode pool (freed pages are reused last-freed first).
+        let window_len = batches.saturating_sub(1).max(1);
+        let mut laid = Vec::with_capacity(batches);
+        let bytes = (batches * n * self.page) as f64;
+        let t = Instant::now();
+        match pass {
+            Pass::Memcpy(threads) | Pass::Control(threads) => {
+                let page = self.page;
+                let map = &mut self.decode_map[..];
+                let source = &self.source;
+                for b in last {
+                    copy_batch(source, map, page, b, threads);
+                }
+                black_box(&self.decode_map);
+            }
+            Pass::HeapMemcpy => {
+                let batch = n * self.page;
+                for b in 0..batches {
+                    let off = b * batch;
+                    self.heap_dst[off..off + batch]
+                        .copy_from_slice(&self.heap_src[off..off + batch]);
+                }
+                black_box(&self.heap_dst);
+            }
+            Pass::Pull | Pass::PullVerify(_) | Pass::CopyThenVerify => {
+                let mut window: VecDeque<Result<libkv::pool::Reservation, VerifiedKv>> =
+                    VecDeque::new();
+                let mut cursor = 0u32;
+                for _ in 0..batches {
+                    self.next_id += 1;
+                    let id = self.next_id;
+                    if window.len() >= window_len {
+                        drop(window.pop_front());
+                    }
+                    let mut res = self
+                        .decode
+                        .reserve(owner(id), tokens, u64::from(tokens))
+                        .expect("fits");
+                    let src: Vec<libkv::PageId> = (0..n)
+                        .map(|i| {
+                            libkv::PageId((cursor + u32::try_from(i).unwrap_or(0)) % self.pages)
+                        })
+                        .collect();
+                    cursor = (cursor + u32::try_from(n).unwrap_or(0)) % self.pages;
+                    laid.push(
+                        src.iter()
+                            .copied()
+                            .zip(res.pages().iter().copied())
+                            .collect(),
+                    );
+                    let mut grant = res.grant_write().expect("grant");
+                    match pass {
+                        Pass::PullVerify(threads) => {
+                            let landing = grant.landing(0..n).expect("landing");
+                            self.source
+                                .pull(&src, landing, threads, &|| true)
+                                .expect("pull");
+                        }
+                        _ => {
+                            for (i, &p) in src.iter().enumerate() {
+                                self.source
+                                    .copy_page(p, grant.page_mut(i).expect("page"))
+                                    .expect("in range");
+                            }
+                        }
+                    }
+                    drop(grant);
+                    if pass == Pass::Pull {
+                        window.push_back(Ok(res));
+                        continue;
+                    }
+                    let m = Manifest {
+                        owner: owner(id),
+                        tokens,
+                        digests: src.iter().map(|p| self.digests[p.index()]).collect(),
+                        pages: src,
+                    };
+                    window.push_back(Err(res.verify(&m).expect("verifies")));
+                }
+                window.clear();
+            }
+        }
+        (bytes / t.elapsed().as_secs_f64(), laid)
+    }
+}
+
+/// memcpy of one batch's pages from the source mapping into the decode pool's memory (its
+/// second mapping), on `threads` threads, each taking a run of the pages.
+fn copy_batch(source: &ForeignPool, map: &mut [u8], page: usize, b: &Batch, threads: usize) {
+    // The batch's destination pages as disjoint slices, then back in the batch's order, so
+    // that the copies run in the pull's order and the threads take the pull's runs.
+    let mut want: Vec<(usize, libkv::PageId, usize)> = b
+        .iter()
+        .enumerate()
+        .map(|(k, &(s, d))| (d.index(), s, k))
+        .collect();
+    want.sort_unstable_by_key(|&(d, _, _)| d);
+    let mut dst: Vec<(usize, libkv::PageId, &mut [u8])> = Vec::with_capacity(b.len());
+    let mut rest = map;
+    let mut base = 0usize;
+    for (d, s, k) in want {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(d * page - base);
+        let (this, tail) = tail.split_at_mut(page);
+        dst.push((k, s, this));
+        rest = tail;
+        base = (d + 1) * page;
+    }
+    dst.sort_unstable_by_key(|&(k, _, _)| k);
+    let per = dst.len().div_ceil(threads.max(1));
+    std::thread::scope(|scope| {
+        let mut chunks = dst.chunks_mut(per.max(1));
+        let mine = chunks.next();
+        for chunk in chunks {
+            scope.spawn(move || {
+                for (_, s, d) in chunk.iter_mut() {
+                    source.copy_page(*s, d).expect("in range");
+                }
+            });
+        }
+        for (_, s, d) in mine.into_iter().flatten() {
+            source.copy_page(*s, d).expect("in range");
+        }
+    });
 }
 
 fn transfer(out: &mut impl Write) -> std::io::Result<()> {
@@ -168,126 +369,142 @@ fn transfer(out: &mut impl Write) -> std::io::Result<()> {
     let pages: u32 = 4096; // 256 MiB per pool: far larger than the last-level cache
     let pool_bytes = g.bytes_per_page() * u64::from(pages);
     let prefill_mem = HostMemory::new(c"bench-prefill", pool_bytes)?;
+    // Every source page different, so that a page landing in the wrong place would fail.
+    {
+        let mut w = libkv::sys::memfd::map_rw(prefill_mem.share_fd().expect("memfd"), pool_bytes)?;
+        for (i, p) in w.chunks_mut(page).enumerate() {
+            p.fill(u8::try_from(i % 251).unwrap_or(0));
+            p[..8].copy_from_slice(&(i as u64).to_le_bytes());
+        }
+    }
     let ro = prefill_mem.read_only_fd()?;
     let source = ForeignPool::map(ro.as_fd(), g.bytes_per_page(), pages)?;
     let decode = PagePool::host(c"bench-decode", g, pages, PoolOptions::default())?;
-    // Plain buffers of the same size for the memcpy reference.
-    let zero = page_digest(&vec![0u8; page]);
-    let src_plain = vec![0xA5u8; usize::try_from(pool_bytes).unwrap_or(0)];
-    let mut dst_plain = vec![0u8; src_plain.len()];
+    let decode_map =
+        libkv::sys::memfd::map_rw(decode.memory().share_fd().expect("host pool"), pool_bytes)?;
+    let mut buf = vec![0u8; page];
+    let digests = (0..pages)
+        .map(|p| {
+            source
+                .copy_page(libkv::PageId(p), &mut buf)
+                .expect("in range");
+            page_digest(&buf)
+        })
+        .collect();
+    let heap_src = vec![0xA5u8; usize::try_from(pool_bytes).unwrap_or(0)];
+    let mut heap_dst = vec![0u8; heap_src.len()];
+    heap_dst.fill(1); // fault it in now
+    let mut rig = Rig {
+        g,
+        page,
+        pages,
+        source,
+        decode,
+        decode_map,
+        digests,
+        heap_src,
+        heap_dst,
+        next_id: 0,
+    };
     writeln!(
         out,
-        "shm transfer vs memcpy (256 MiB pools, {} KiB pages; median of quiet rounds):",
+        "shm pull vs memcpy of the same pages between the same mappings (256 MiB pools, {} KiB \
+         pages, {TRANSFER_ROUNDS} rounds, every pass one sweep of the pools, passes interleaved and \
+         rotated; GB/s median, ratios to the memcpy just before, median [min-max] of quiet \
+         rounds):",
         page / 1024
     )?;
     writeln!(
         out,
-        "  batch    pull GB/s  memcpy GB/s  ratio  pull+verify GB/s  ratio  pages/s (pull)"
+        "  batch   thr  memcpy  memcpy again     pull   /memcpy          pull+verify      \
+         /memcpy          copy,then-verify heap memcpy/batch"
     )?;
     for batch_bytes in [64usize << 10, 1 << 20, 16 << 20] {
         let n = (batch_bytes / page).max(1);
-        let tokens = u32::try_from(n).unwrap_or(1) * g.tokens_per_page;
-        let batches = (256usize << 20) / batch_bytes; // one pass over the pools per round
-        let (mut pull, mut memcpy, mut verify) = (Vec::new(), Vec::new(), Vec::new());
-        let mut cursor = 0u32;
-        let mut id = 0u64;
-        for _round in 0..7 {
-            let p0 = cpu_pressure_us();
-            let t0 = Instant::now();
-            // memcpy of the same bytes, cycling through the buffers.
-            for b in 0..batches {
-                let off = b * batch_bytes;
-                dst_plain[off..off + batch_bytes]
-                    .copy_from_slice(&src_plain[off..off + batch_bytes]);
+        let thread_counts: &[usize] = if n > 1 { &[1, 2] } else { &[1] };
+        for &threads in thread_counts {
+            let mut passes = vec![Pass::Control(threads), Pass::PullVerify(threads)];
+            if threads == 1 {
+                passes.extend([Pass::Pull, Pass::CopyThenVerify, Pass::HeapMemcpy]);
             }
-            black_box(&dst_plain);
-            let t_memcpy = t0.elapsed().as_secs_f64();
-            // The pull: reserve, grant, copy the manifest's pages, drop the grant. A window
-            // of live reservations makes the destination cycle through the whole decode pool
-            // as well (freed pages are reused last-freed first).
-            let window_len = (usize::try_from(pages).unwrap_or(1) / n)
-                .saturating_sub(1)
-                .max(1);
-            let mut window: VecDeque<libkv::pool::Reservation> = VecDeque::new();
-            let t1 = Instant::now();
-            for _ in 0..batches {
-                id += 1;
-                if window.len() >= window_len {
-                    drop(window.pop_front());
+            // Lay the batches out once, untimed, so the first memcpy has them.
+            let (_, mut last) = rig.run(Pass::Pull, n, &[]);
+            let mut rates: Vec<Vec<f64>> = vec![Vec::new(); passes.len()];
+            let mut ratios: Vec<Vec<f64>> = vec![Vec::new(); passes.len()];
+            let mut memcpy = Vec::new();
+            for round in 0..TRANSFER_ROUNDS {
+                let p0 = cpu_pressure_us();
+                let t0 = Instant::now();
+                let mut this = vec![0.0; passes.len()];
+                let mut base = vec![0.0; passes.len()];
+                // Rotate the order, and measure a memcpy right before every other pass.
+                for k in 0..passes.len() {
+                    let i = (k + round) % passes.len();
+                    let (m, _) = rig.run(Pass::Memcpy(passes[i].threads()), n, &last);
+                    let (r, laid) = rig.run(passes[i], n, &last);
+                    if !laid.is_empty() {
+                        last = laid;
+                    }
+                    this[i] = r;
+                    base[i] = m;
                 }
-                let mut res = decode
-                    .reserve(owner(id), tokens, u64::from(tokens))
-                    .expect("fits");
-                let mut grant = res.grant_write().expect("grant");
-                for i in 0..n {
-                    let src = libkv::PageId((cursor + u32::try_from(i).unwrap_or(0)) % pages);
-                    source
-                        .copy_page(src, grant.page_mut(i).expect("page"))
-                        .expect("in range");
-                }
-                cursor = (cursor + u32::try_from(n).unwrap_or(0)) % pages;
-                drop(grant);
-                window.push_back(res);
-            }
-            let t_pull = t1.elapsed().as_secs_f64();
-            window.clear();
-            // The pull followed by the digest check (coverage + crc32c of every page).
-            let mut verified: VecDeque<libkv::verify::VerifiedKv> = VecDeque::new();
-            let t2 = Instant::now();
-            for _ in 0..batches {
-                id += 1;
-                if verified.len() >= window_len {
-                    drop(verified.pop_front());
-                }
-                let mut res = decode
-                    .reserve(owner(id), tokens, u64::from(tokens))
-                    .expect("fits");
-                let mut grant = res.grant_write().expect("grant");
-                let mut m = Manifest {
-                    owner: owner(id),
-                    tokens,
-                    pages: Vec::with_capacity(n),
-                    digests: Vec::with_capacity(n),
+                let wall = t0.elapsed().as_secs_f64();
+                let pressure = match (p0, cpu_pressure_us()) {
+                    (Some(a), Some(b)) => (b.saturating_sub(a)) as f64 / 1e6 / wall,
+                    _ => 0.0,
                 };
-                for i in 0..n {
-                    let src = libkv::PageId((cursor + u32::try_from(i).unwrap_or(0)) % pages);
-                    let dst = grant.page_mut(i).expect("page");
-                    source.copy_page(src, dst).expect("in range");
-                    m.pages.push(src);
-                    // Prefill computes this digest; the source pages are zeros here, so it
-                    // is computed once, outside the timed loop.
-                    m.digests.push(zero);
+                if pressure > 0.3 && round + 3 < TRANSFER_ROUNDS {
+                    continue; // a noisy round: others were competing for the CPU
                 }
-                cursor = (cursor + u32::try_from(n).unwrap_or(0)) % pages;
-                drop(grant);
-                verified.push_back(res.verify(&m).expect("verifies"));
+                for i in 0..passes.len() {
+                    rates[i].push(this[i]);
+                    ratios[i].push(this[i] / base[i]);
+                }
+                memcpy.extend(&base);
             }
-            let t_verify = t2.elapsed().as_secs_f64();
-            verified.clear();
-            let wall = t0.elapsed().as_secs_f64();
-            let pressure = match (p0, cpu_pressure_us()) {
-                (Some(a), Some(b)) => (b.saturating_sub(a)) as f64 / 1e6 / wall,
-                _ => 0.0,
+            let show = |p: Pass| -> (f64, String) {
+                match passes.iter().position(|&q| q == p) {
+                    Some(i) if !rates[i].is_empty() => {
+                        let (lo, hi) = range(&ratios[i]);
+                        (
+                            median(rates[i].clone()) / 1e9,
+                            format!("{:.2} [{lo:.2}-{hi:.2}]", median(ratios[i].clone())),
+                        )
+                    }
+                    _ => (0.0, "-".to_string()),
+                }
             };
-            if pressure > 0.3 && pull.len() >= 3 {
-                continue; // a noisy round: others were competing for the CPU
-            }
-            let bytes = (batches * n * page) as f64;
-            memcpy.push(bytes / t_memcpy / 1e9);
-            pull.push(bytes / t_pull / 1e9);
-            verify.push(bytes / t_verify / 1e9);
+            let m = median(memcpy) / 1e9;
+            let (_, mr) = show(Pass::Control(threads));
+            let (p, pr) = show(Pass::Pull);
+            let (v, vr) = show(Pass::PullVerify(threads));
+            let (_, cr) = show(Pass::CopyThenVerify);
+            let (h, _) = show(Pass::HeapMemcpy);
+            let dash = |x: f64| {
+                if x > 0.0 {
+                    format!("{x:.2}")
+                } else {
+                    "-".to_string()
+                }
+            };
+            writeln!(
+                out,
+                "  {:>6}  {threads:>3}  {m:>6.2}  {mr:<16} {:>5}  {pr:<16} {v:>5.2}  {vr:<16} \
+                 {cr:<16} {:>6}",
+                human(batch_bytes),
+                dash(p),
+                dash(h),
+            )?;
         }
-        let (p, m, v) = (median(pull), median(memcpy), median(verify));
-        let pages_s = p * 1e9 / page as f64;
-        writeln!(
-            out,
-            "  {:>6}   {p:>9.2}  {m:>11.2}  {:>5.2}  {v:>16.2}  {:>5.2}  {pages_s:>10.0}",
-            human(batch_bytes),
-            p / m,
-            v / m
-        )?;
     }
     Ok(())
+}
+
+fn range(v: &[f64]) -> (f64, f64) {
+    v.iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| {
+            (lo.min(x), hi.max(x))
+        })
 }
 
 fn human(b: usize) -> String {

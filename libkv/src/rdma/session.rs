@@ -23,7 +23,7 @@
 use super::{RdmaError, ReadStats};
 use crate::config::RdmaConfig;
 use crate::ids::PageId;
-use crate::pool::PagePool;
+use crate::pool::{Landing, PagePool};
 use crate::proto::{RdmaConnect, RdmaWindow, RdmaWindows};
 
 #[cfg(feature = "rdma")]
@@ -285,7 +285,24 @@ mod imp {
             dst: Vec<&mut [u8]>,
             keep_going: &mut dyn FnMut() -> bool,
         ) -> Result<(ClientSession, ReadStats), RdmaError> {
+            self.read_into(windows, Landing::untracked(dst), keep_going)
+        }
+
+        /// Like [`read`](Self::read), into a grant's [`Landing`]: each page is digested
+        /// as soon as the READ that carried it completes (the others still in flight), and
+        /// the digest recorded for verification.
+        pub fn read_into(
+            self,
+            windows: &RdmaWindows,
+            landing: Landing<'_>,
+            keep_going: &mut dyn FnMut() -> bool,
+        ) -> Result<(ClientSession, ReadStats), RdmaError> {
             let page_bytes = self.node.pool.page_bytes();
+            let Some((dst, mut landed)) = landing.into_device() else {
+                return Err(RdmaError::OutOfRange {
+                    what: "the destination has started to land already",
+                });
+            };
             if dst.iter().any(|d| d.len() as u64 != page_bytes) {
                 return Err(RdmaError::OutOfRange {
                     what: "a destination is not one page",
@@ -299,7 +316,10 @@ mod imp {
                 .map(|(dst, (rkey, raddr))| PageRead { dst, rkey, raddr })
                 .collect();
             let ClientSession { qp, node } = self;
-            let (qp, stats) = qp.read_pages(node.pool.mr(), reads, keep_going)?;
+            let (qp, stats) =
+                qp.read_pages_each(node.pool.mr(), reads, keep_going, &mut |i, page| {
+                    landed.landed(i, page)
+                })?;
             Ok((ClientSession { qp, node }, stats))
         }
     }
@@ -371,6 +391,15 @@ mod stub {
             self,
             _windows: &RdmaWindows,
             _dst: Vec<&mut [u8]>,
+            _keep_going: &mut dyn FnMut() -> bool,
+        ) -> Result<(ClientSession, ReadStats), RdmaError> {
+            match self.0 {}
+        }
+
+        pub fn read_into(
+            self,
+            _windows: &RdmaWindows,
+            _landing: Landing<'_>,
             _keep_going: &mut dyn FnMut() -> bool,
         ) -> Result<(ClientSession, ReadStats), RdmaError> {
             match self.0 {}

@@ -325,16 +325,30 @@ impl RdmaQp {
     /// before this returns, so no read still in flight can land in the destination pages
     /// after their borrow ends (a destroyed QP no longer touches memory).
     pub fn read_pages(
-        mut self,
+        self,
         mr: &MemoryRegion,
         pages: Vec<PageRead<'_>>,
         keep_going: &mut dyn FnMut() -> bool,
     ) -> Result<(RdmaQp, ReadStats), RdmaError> {
+        self.read_pages_each(mr, pages, keep_going, &mut |_, _| {})
+    }
+
+    /// Like [`read_pages`](Self::read_pages), and hands each page's destination to `landed`
+    /// (with its index in `pages`) as soon as the READ that carried it has completed, while
+    /// the others are still in flight, so the caller can digest it while it is still in the
+    /// cache. A page handed over is never written again by this QP.
+    pub fn read_pages_each<'a>(
+        mut self,
+        mr: &MemoryRegion,
+        mut pages: Vec<PageRead<'a>>,
+        keep_going: &mut dyn FnMut() -> bool,
+        landed: &mut dyn FnMut(usize, &'a mut [u8]),
+    ) -> Result<(RdmaQp, ReadStats), RdmaError> {
         let base = mr.get_ptr() as u64;
         let end = base + mr.region_len() as u64;
-        // (local address, length, rkey, remote address)
-        let mut segments: Vec<(u64, u64, u32, u64)> = Vec::new();
-        for p in &pages {
+        // (local address, length, rkey, remote address, pages of `pages` it carries)
+        let mut segments: Vec<(u64, u64, u32, u64, std::ops::Range<usize>)> = Vec::new();
+        for (i, p) in pages.iter().enumerate() {
             let (laddr, len) = (p.dst.as_ptr() as u64, p.dst.len() as u64);
             if len == 0 || laddr < base || laddr + len > end {
                 return Err(RdmaError::OutOfRange {
@@ -354,17 +368,19 @@ impl RdmaQp {
                         && s.1 + len <= MAX_READ_BYTES =>
                 {
                     s.1 += len;
+                    s.4.end = i + 1;
                 }
-                _ => segments.push((laddr, len, p.rkey, p.raddr)),
+                _ => segments.push((laddr, len, p.rkey, p.raddr, i..i + 1)),
             }
         }
         let mut stats = ReadStats::default();
-        let mut posted: Vec<u64> = Vec::with_capacity(READS_POSTED);
+        // (work request id, segment)
+        let mut posted: Vec<(u64, usize)> = Vec::with_capacity(READS_POSTED);
         let mut next = 0;
         let mut progress = Instant::now();
         let outcome = 'reading: loop {
             while next < segments.len() && posted.len() < READS_POSTED {
-                let (laddr, len, rkey, raddr) = segments[next];
+                let (laddr, len, rkey, raddr, _) = segments[next];
                 // a segment is one page (at most 4 GiB, checked) or at most MAX_READ_BYTES
                 let len32 = u32::try_from(len).unwrap_or(u32::MAX);
                 let wr = self.wr_id();
@@ -386,7 +402,7 @@ impl RdmaQp {
                 if let Err(e) = post {
                     break 'reading Err(verb("ibv_wr_rdma_read")(e));
                 }
-                posted.push(wr);
+                posted.push((wr, next));
                 stats.reads += 1;
                 stats.bytes += len;
                 next += 1;
@@ -398,17 +414,27 @@ impl RdmaQp {
                 break Err(e);
             }
             let mut failed = None;
+            let mut completed = Vec::new();
             {
                 let mut done = self.done.borrow_mut();
-                posted.retain(|id| match done.remove(id) {
+                posted.retain(|(id, segment)| match done.remove(id) {
                     Some(status) => {
-                        if status != rdma_mummy_sys::ibv_wc_status::IBV_WC_SUCCESS {
+                        if status == rdma_mummy_sys::ibv_wc_status::IBV_WC_SUCCESS {
+                            completed.push(*segment);
+                        } else {
                             failed.get_or_insert(status);
                         }
                         false
                     }
                     None => true,
                 });
+            }
+            if failed.is_none() {
+                for segment in completed {
+                    for i in segments[segment].4.clone() {
+                        landed(i, std::mem::take(&mut pages[i].dst));
+                    }
+                }
             }
             if let Some(status) = failed {
                 break Err(RdmaError::Completion {
@@ -424,7 +450,7 @@ impl RdmaQp {
             }
             if progress.elapsed() > COMPLETION_TIMEOUT {
                 break Err(RdmaError::Stuck {
-                    wr_id: posted.first().copied().unwrap_or_default(),
+                    wr_id: posted.first().map(|p| p.0).unwrap_or_default(),
                     after: COMPLETION_TIMEOUT,
                 });
             }
@@ -441,7 +467,7 @@ impl RdmaQp {
                             break;
                         }
                         let mut done = self.done.borrow_mut();
-                        posted.retain(|id| done.remove(id).is_none());
+                        posted.retain(|(id, _)| done.remove(id).is_none());
                     }
                 }
                 drop(self);

@@ -189,10 +189,10 @@ impl Default for FrameReader {
 }
 
 impl FrameReader {
-    /// An empty reader.
+    /// An empty reader. It allocates nothing until bytes arrive.
     pub fn new() -> FrameReader {
         FrameReader {
-            buf: Vec::with_capacity(HEADER_LEN),
+            buf: Vec::new(),
             header: None,
             fds: Vec::new(),
             ready: VecDeque::new(),
@@ -217,6 +217,31 @@ impl FrameReader {
     /// Bytes of the frame being assembled, for tests and diagnostics.
     pub fn pending_bytes(&self) -> usize {
         self.buf.len()
+    }
+
+    /// Bytes this reader holds allocated (its buffer and its queue of frames), for tests and
+    /// diagnostics.
+    pub fn allocated_bytes(&self) -> usize {
+        self.buf.capacity() + self.ready.capacity() * size_of::<Result<Frame, ProtoError>>()
+    }
+
+    /// Frees the buffers when no frame is being assembled and none is queued, so that an
+    /// idle connection costs nothing here however large its last frame was. A connection
+    /// that goes on receiving allocates again on its next read.
+    pub fn shrink_idle(&mut self) {
+        if self.buf.is_empty() && self.header.is_none() && self.fds.is_empty() {
+            self.buf = Vec::new();
+            self.fds = Vec::new();
+        }
+        if self.ready.is_empty() {
+            self.ready = VecDeque::new();
+        }
+    }
+
+    /// The frames read and not yet taken with [`FrameReader::next_frame`], oldest first
+    /// (those that passed validation).
+    pub fn queued(&self) -> impl Iterator<Item = &Frame> {
+        self.ready.iter().filter_map(|r| r.as_ref().ok())
     }
 
     fn read_until(&mut self, fd: BorrowedFd<'_>, max_ready: usize) -> io::Result<ReadOutcome> {
@@ -520,6 +545,7 @@ mod tests {
 
     fn pool_msg() -> Message {
         PrefillPool {
+            worker: "prefill-0".into(),
             geometry: PageGeometry {
                 tokens_per_page: 16,
                 layers: 1,
@@ -714,6 +740,7 @@ mod tests {
     fn prefill_register_without_its_fd_is_refused() {
         let (a, b) = UnixStream::pair().unwrap();
         let msg = Message::from(crate::proto::RegisterWorker {
+            id: "w-0".into(),
             role: Role::Prefill,
             geometry: PageGeometry {
                 tokens_per_page: 16,

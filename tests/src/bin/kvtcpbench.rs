@@ -1,6 +1,9 @@
-//! kvtcpbench: throughput of the TCP page path over loopback (decoded's side, `fetch_pages`
-//! into its own grant pages, against prefilld's page server) next to `iperf3` on the same
-//! loopback path and, given `--mooncake PATH`, next to Mooncake Transfer Engine's own
+//! kvtcpbench: throughput of the TCP page path over loopback (decoded's side: reserve,
+//! `fetch_pages` into its own grant pages with the digest taken as the bytes land, then
+//! `verify` against prefill's digests, against prefilld's page server) on one connection and
+//! on two at once (decoded runs two job threads), next to `iperf3` on the same loopback path
+//! with one stream and with as many streams as connections (`-P`), and, given
+//! `--mooncake PATH`, next to Mooncake Transfer Engine's own
 //! benchmark (`transfer_engine_bench`, TCP transport) moving the same bytes in blocks of the
 //! same size, all in the same run. A benchmark, not a test: it prints figures and asserts
 //! nothing. Without `iperf3` on the PATH, or without the Mooncake binary, it prints the rest.
@@ -15,6 +18,11 @@
 //! (pressure before and after at most `--quiet-pressure`), or of all runs, flagged, when
 //! none was quiet. Ratios are taken between those medians.
 //!
+//! Every run also says where its CPU time went, per GiB moved: the receiving threads' user
+//! time (digest, bookkeeping) and kernel time (socket reads, the copy out of the socket
+//! buffers), the sending side's time, and read calls per MiB (from /proc/thread-self; for
+//! iperf3 its own CPU report).
+//!
 //! Mooncake runs only on 127.0.0.1: peer-to-peer handshake instead of a metadata server,
 //! `127.0.0.1` as its server name and segment, two submission threads, under `timeout`, and
 //! its target is stopped by its own process id.
@@ -25,6 +33,7 @@ use clap::Parser;
 use libkv::config::{PoisonMode, Scrub};
 use libkv::pool::{PagePool, PoolOptions};
 use libkv::tcp;
+use libkv::verify::{Manifest, page_digest};
 use libkv::{Dtype, Generation, Owner, PageGeometry, RequestId};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -58,15 +67,22 @@ struct Args {
     /// package, not the launcher script) to measure side by side.
     #[arg(long)]
     mooncake: Option<PathBuf>,
+    /// Bytes moved per pull (and per Mooncake batch), in MiB.
+    #[arg(long, value_delimiter = ',', default_value = "1,16")]
+    batch_mib: Vec<u64>,
+    /// Page sizes, in KiB.
+    #[arg(long, value_delimiter = ',', default_value = "64,1024")]
+    page_kib: Vec<u32>,
+    /// Connections the page path pulls on at once (one decode thread each, as decoded's job
+    /// threads), each compared with iperf3 with that many streams (`-P`).
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    streams: Vec<usize>,
     /// What Mooncake's initiator does to its target's memory, each measured: write (push,
     /// the direction Mooncake moves KV caches in) and read (pull, as decoded does).
     #[arg(long, value_delimiter = ',', default_value = "write,read")]
     mooncake_operation: Vec<String>,
 }
 
-/// Page sizes (KiB) and batch sizes (bytes moved per pull, or per Mooncake batch).
-const PAGE_KIB: [u32; 2] = [64, 1024];
-const BATCHES: [u64; 2] = [1 << 20, 16 << 20];
 /// Mooncake's task submission threads (each keeps one batch in flight).
 const MOONCAKE_THREADS: u64 = 2;
 
@@ -208,8 +224,70 @@ impl Summary {
     }
 }
 
-/// Pulls `total` bytes of `page_kib` KiB pages, repeatedly, for `seconds`.
-fn page_path(page_kib: u32, total: u64, seconds: f64) -> Result<Run, String> {
+/// User seconds, system seconds and read calls of a thread.
+type Usage = (f64, f64, u64);
+
+/// CPU time and read calls of the calling thread so far.
+fn thread_usage() -> Option<Usage> {
+    let stat = std::fs::read_to_string("/proc/thread-self/stat").ok()?;
+    // Fields after the command name (which is in parentheses and may hold spaces).
+    let rest = stat.rsplit_once(')')?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the whole line, 12 and 13 after ')'.
+    let tick = 100.0; // USER_HZ on Linux
+    let user = f.get(11)?.parse::<f64>().ok()? / tick;
+    let system = f.get(12)?.parse::<f64>().ok()? / tick;
+    let io = std::fs::read_to_string("/proc/thread-self/io").ok()?;
+    let reads = io
+        .lines()
+        .find_map(|l| l.strip_prefix("syscr:"))
+        .and_then(|v| v.trim().parse().ok())?;
+    Some((user, system, reads))
+}
+
+/// CPU seconds of the whole process so far (user + system).
+fn process_cpu() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let rest = stat.rsplit_once(')')?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let user = f.get(11)?.parse::<f64>().ok()?;
+    let system = f.get(12)?.parse::<f64>().ok()?;
+    Some((user + system) / 100.0)
+}
+
+/// Where a run's time went, per GiB moved.
+#[derive(Clone, Copy, Debug, Default)]
+struct Cost {
+    /// Receiving threads' CPU seconds in user space (digest, bookkeeping) and in the kernel
+    /// (socket reads, the copy out of the socket buffers).
+    recv_user: f64,
+    recv_system: f64,
+    /// The sending side's CPU seconds (kernel and user).
+    send: f64,
+    /// Read calls per MiB received.
+    reads_per_mib: f64,
+}
+
+impl std::fmt::Display for Cost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "CPU s/GiB: receiver {:.2} user + {:.2} sys, sender {:.2}; {:.1} reads/MiB",
+            self.recv_user, self.recv_system, self.send, self.reads_per_mib
+        )
+    }
+}
+
+/// Pulls `total` bytes of `page_kib` KiB pages, repeatedly, for `seconds`, on `streams`
+/// connections at once (one decode thread each, as decoded's job threads): every pull
+/// reserves, lands the pages (digested as they arrive) and verifies them against the
+/// digests prefill computed, as decoded does.
+fn page_path(
+    page_kib: u32,
+    total: u64,
+    seconds: f64,
+    streams: usize,
+) -> Result<(Run, Cost), String> {
     let before = background();
     let g = geometry(page_kib);
     let page_bytes = g.bytes_per_page();
@@ -228,10 +306,13 @@ fn page_path(page_kib: u32, total: u64, seconds: f64) -> Result<Run, String> {
     let mut res = prefill
         .reserve(owner, tokens, u64::from(tokens))
         .map_err(|x| e(&x))?;
+    let mut digests = Vec::with_capacity(pages as usize);
     {
         let mut grant = res.grant_write().map_err(|x| e(&x))?;
         for i in 0..grant.pages().len() {
-            grant.page_mut(i).map_err(|x| e(&x))?.fill(0x5a);
+            let page = grant.page_mut(i).map_err(|x| e(&x))?;
+            page.fill(u8::try_from(i % 251).unwrap_or(0) ^ 0x5a);
+            digests.push(page_digest(page));
         }
     }
     let token = tcp::random_token().map_err(|x| e(&x))?;
@@ -243,44 +324,83 @@ fn page_path(page_kib: u32, total: u64, seconds: f64) -> Result<Run, String> {
     )
     .map_err(|x| e(&x))?;
     let source_pages = server.pages(&owner).ok_or("no pages served")?;
-
-    let decode = PagePool::host(c"kvbench-decode", g, pages, options).map_err(|x| e(&x))?;
-    let stream = TcpStream::connect(server.local_addr()).map_err(|x| e(&x))?;
-    tcp::prepare(&stream).map_err(|x| e(&x))?;
+    let manifest = Manifest {
+        owner,
+        tokens,
+        pages: source_pages.clone(),
+        digests,
+    };
+    let streams32 = u32::try_from(streams).map_err(|x| e(&x))?;
+    let decode =
+        PagePool::host(c"kvbench-decode", g, pages * streams32, options).map_err(|x| e(&x))?;
     let page_len = u32::try_from(page_bytes).map_err(|x| e(&x))?;
-    let (mut bytes, mut runs) = (0u64, 0u32);
+    let cpu0 = process_cpu();
     let interval = Interval::start();
-    while runs < 5 || interval.start.elapsed().as_secs_f64() < seconds {
-        let mut res = decode
-            .reserve(owner, tokens, u64::from(tokens))
+    let pull = || -> Result<(u64, Usage), String> {
+        let stream = TcpStream::connect(server.local_addr()).map_err(|x| e(&x))?;
+        tcp::prepare(&stream).map_err(|x| e(&x))?;
+        let u0 = thread_usage().unwrap_or_default();
+        let (mut bytes, mut runs) = (0u64, 0u32);
+        while runs < 5 || interval.start.elapsed().as_secs_f64() < seconds {
+            let mut res = decode
+                .reserve(owner, tokens, u64::from(tokens))
+                .map_err(|x| e(&x))?;
+            let mut grant = res.grant_write().map_err(|x| e(&x))?;
+            tcp::fetch_pages(
+                &stream,
+                token,
+                owner,
+                &source_pages,
+                page_len,
+                &mut grant,
+                &mut || true,
+            )
             .map_err(|x| e(&x))?;
-        let mut grant = res.grant_write().map_err(|x| e(&x))?;
-        tcp::fetch_pages(
-            &stream,
-            token,
-            owner,
-            &source_pages,
-            page_len,
-            &mut grant,
-            &mut || true,
-        )
-        .map_err(|x| e(&x))?;
-        drop(grant);
-        drop(res);
-        bytes += total;
-        runs += 1;
-    }
+            drop(grant);
+            let kv = res.verify(&manifest).map_err(|x| e(&x))?;
+            drop(kv);
+            bytes += total;
+            runs += 1;
+        }
+        let u1 = thread_usage().unwrap_or_default();
+        Ok((bytes, (u1.0 - u0.0, u1.1 - u0.1, u1.2 - u0.2)))
+    };
+    let results: Vec<Result<(u64, Usage), String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..streams).map(|_| scope.spawn(pull)).collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("a pull panicked".into())))
+            .collect()
+    });
     let (wall, pressure) = interval.end();
-    Ok(Run {
-        rate: bytes as f64 / wall,
-        pressure,
-        before,
-        after: None,
-    })
+    let cpu = process_cpu().zip(cpu0).map(|(b, a)| b - a);
+    let (mut bytes, mut recv) = (0u64, (0.0, 0.0, 0u64));
+    for r in results {
+        let (b, u) = r?;
+        bytes += b;
+        recv = (recv.0 + u.0, recv.1 + u.1, recv.2 + u.2);
+    }
+    let gib = bytes as f64 / f64::from(1u32 << 30);
+    let cost = Cost {
+        recv_user: recv.0 / gib,
+        recv_system: recv.1 / gib,
+        send: cpu.map_or(0.0, |c| (c - recv.0 - recv.1).max(0.0) / gib),
+        reads_per_mib: recv.2 as f64 / (bytes as f64 / f64::from(1u32 << 20)),
+    };
+    Ok((
+        Run {
+            rate: bytes as f64 / wall,
+            pressure,
+            before,
+            after: None,
+        },
+        cost,
+    ))
 }
 
-/// iperf3's received bytes per second over 127.0.0.1.
-fn iperf3(seconds: u32) -> Result<Run, String> {
+/// iperf3's received bytes per second over 127.0.0.1, with `streams` parallel streams
+/// (`-P`), and where its time went (its own CPU report).
+fn iperf3(seconds: u32, streams: usize) -> Result<(Run, Cost), String> {
     let port = {
         let l = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
         l.local_addr()
@@ -309,7 +429,7 @@ fn iperf3(seconds: u32) -> Result<Run, String> {
             "-p",
             &port,
         ])
-        .args(["-t", &seconds.to_string(), "-J"])
+        .args(["-t", &seconds.to_string(), "-P", &streams.to_string(), "-J"])
         .output()
         .map_err(|e| e.to_string());
     let (_, pressure) = interval.end();
@@ -318,15 +438,31 @@ fn iperf3(seconds: u32) -> Result<Run, String> {
     let out = out?;
     let json: serde_json::Value =
         serde_json::from_slice(&out.stdout).map_err(|e| format!("iperf3 output: {e}"))?;
-    json["end"]["sum_received"]["bits_per_second"]
+    let end = &json["end"];
+    let rate = end["sum_received"]["bits_per_second"]
         .as_f64()
-        .map(|bits| Run {
-            rate: bits / 8.0,
+        .ok_or_else(|| format!("no end.sum_received in iperf3 output: {}", json["error"]))?
+        / 8.0;
+    // CPU use in percent of one CPU over the test, of the client (sender) and the server.
+    let cpu = &end["cpu_utilization_percent"];
+    let pct = |k: &str| cpu[k].as_f64().unwrap_or(0.0) / 100.0 * f64::from(seconds);
+    let gib = rate * f64::from(seconds) / f64::from(1u32 << 30);
+    let cost = Cost {
+        recv_user: pct("remote_user") / gib,
+        recv_system: pct("remote_system") / gib,
+        send: pct("host_total") / gib,
+        // iperf3 reads 128 KiB at a time over TCP by default.
+        reads_per_mib: 0.0,
+    };
+    Ok((
+        Run {
+            rate,
             pressure,
             before,
             after: None,
-        })
-        .ok_or_else(|| format!("no end.sum_received in iperf3 output: {}", json["error"]))
+        },
+        cost,
+    ))
 }
 
 /// Checks that `bin` is an executable (ELF) rather than the package's launcher script, which
@@ -497,29 +633,34 @@ impl Case {
     }
 }
 
-/// Who ran: iperf3, the page path in case `c`, or Mooncake's operation `o` in case `c`.
+/// Who ran: iperf3 with `s` streams, the page path in case `c` on `s` connections, or
+/// Mooncake's operation `o` in case `c`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Who {
-    Iperf,
-    PagePath(usize),
+    Iperf(usize),
+    PagePath(usize, usize),
     Mooncake(usize, usize),
 }
 
 /// Every run in the order they ran, so that each run's "after" is the next one's "before".
 #[derive(Default)]
-struct Log(Vec<(Who, Run)>);
+struct Log(Vec<(Who, Run, Cost)>);
 
 impl Log {
     fn push(&mut self, who: Who, run: Run) {
-        if let Some((_, last)) = self.0.last_mut() {
+        self.push_cost(who, run, Cost::default());
+    }
+
+    fn push_cost(&mut self, who: Who, run: Run, cost: Cost) {
+        if let Some((_, last, _)) = self.0.last_mut() {
             last.after = run.before;
         }
-        self.0.push((who, run));
+        self.0.push((who, run, cost));
     }
 
     /// Samples the idle moment after the last run.
     fn close(&mut self) {
-        if let Some((_, last)) = self.0.last_mut() {
+        if let Some((_, last, _)) = self.0.last_mut() {
             last.after = background();
         }
     }
@@ -528,10 +669,39 @@ impl Log {
         let runs: Vec<Run> = self
             .0
             .iter()
-            .filter(|(w, _)| *w == who)
-            .map(|(_, r)| *r)
+            .filter(|(w, _, _)| *w == who)
+            .map(|(_, r, _)| *r)
             .collect();
         Summary::of(&runs, quiet)
+    }
+
+    /// The median of each cost figure over the quiet runs of `who` (all runs if none).
+    fn cost(&self, who: Who, quiet: f64) -> Option<Cost> {
+        let all: Vec<&(Who, Run, Cost)> = self.0.iter().filter(|(w, _, _)| *w == who).collect();
+        let calm: Vec<Cost> = all
+            .iter()
+            .filter(|(_, r, _)| r.quiet(quiet))
+            .map(|(_, _, c)| *c)
+            .collect();
+        let v = if calm.is_empty() {
+            all.iter().map(|(_, _, c)| *c).collect()
+        } else {
+            calm
+        };
+        if v.is_empty() {
+            return None;
+        }
+        let med = |f: fn(&Cost) -> f64| {
+            let mut x: Vec<f64> = v.iter().map(f).collect();
+            x.sort_by(f64::total_cmp);
+            x[x.len() / 2]
+        };
+        Some(Cost {
+            recv_user: med(|c| c.recv_user),
+            recv_system: med(|c| c.recv_system),
+            send: med(|c| c.send),
+            reads_per_mib: med(|c| c.reads_per_mib),
+        })
     }
 }
 
@@ -543,6 +713,10 @@ fn main() -> ExitCode {
         .find(|op| !["read", "write"].contains(&op.as_str()))
     {
         eprintln!("kvtcpbench: --mooncake-operation: {op} is neither read nor write");
+        return ExitCode::from(2);
+    }
+    if args.streams.is_empty() || args.streams.contains(&0) {
+        eprintln!("kvtcpbench: --streams: give one or more counts of at least 1");
         return ExitCode::from(2);
     }
     let mooncake_bin = match &args.mooncake {
@@ -561,30 +735,45 @@ fn main() -> ExitCode {
         &[]
     };
     let mooncake_seconds = format!("{:.0}", args.seconds.ceil().max(1.0));
-    let cases: Vec<Case> = PAGE_KIB
+    if args.page_kib.iter().any(|&k| k < 32 || k % 32 != 0) || args.batch_mib.contains(&0) {
+        eprintln!("kvtcpbench: pages are whole multiples of 32 KiB, batches at least 1 MiB");
+        return ExitCode::from(2);
+    }
+    let cases: Vec<Case> = args
+        .page_kib
         .iter()
-        .flat_map(|&page_kib| BATCHES.iter().map(move |&total| Case { page_kib, total }))
+        .flat_map(|&page_kib| {
+            args.batch_mib.iter().map(move |&mib| Case {
+                page_kib,
+                total: mib << 20,
+            })
+        })
+        .filter(|c| c.total >= u64::from(c.page_kib) << 10)
         .collect();
     let mut log = Log::default();
     let rounds = args.rounds.max(1);
     for round in 1..=rounds {
         println!("round {round}/{rounds}");
-        match iperf3(args.iperf_seconds) {
-            Ok(r) => {
-                println!("  iperf3 loopback: {r}");
-                log.push(Who::Iperf, r);
+        for &streams in &args.streams {
+            match iperf3(args.iperf_seconds, streams) {
+                Ok((r, cost)) => {
+                    println!("  iperf3 -P {streams} loopback: {r}; {cost}");
+                    log.push_cost(Who::Iperf(streams), r, cost);
+                }
+                Err(e) => println!("  iperf3 -P {streams} loopback: not measured: {e}"),
             }
-            Err(e) => println!("  iperf3 loopback: not measured: {e}"),
         }
         for (c, case) in cases.iter().enumerate() {
-            match page_path(case.page_kib, case.total, args.seconds) {
-                Ok(r) => {
-                    println!("  page path      {}: {r}", case.name());
-                    log.push(Who::PagePath(c), r);
-                }
-                Err(e) => {
-                    eprintln!("kvtcpbench: page path {}: {e}", case.name());
-                    return ExitCode::from(1);
+            for &streams in &args.streams {
+                match page_path(case.page_kib, case.total, args.seconds, streams) {
+                    Ok((r, cost)) => {
+                        println!("  page path x{streams}   {}: {r}; {cost}", case.name());
+                        log.push_cost(Who::PagePath(c, streams), r, cost);
+                    }
+                    Err(e) => {
+                        eprintln!("kvtcpbench: page path {}: {e}", case.name());
+                        return ExitCode::from(1);
+                    }
                 }
             }
             let Some(bin) = &mooncake_bin else {
@@ -612,28 +801,57 @@ fn main() -> ExitCode {
         "median GiB/s of the quiet runs (CPU pressure before and after <= {quiet:.2}) \
          [quiet/all runs]:"
     );
-    let iperf = log.summary(Who::Iperf, quiet);
-    match &iperf {
-        Some(s) => println!("  iperf3 loopback: {}", s.show()),
-        None => println!("  iperf3 loopback: not measured"),
+    let iperf: Vec<(usize, Option<Summary>)> = args
+        .streams
+        .iter()
+        .map(|&s| (s, log.summary(Who::Iperf(s), quiet)))
+        .collect();
+    for (streams, i) in &iperf {
+        match i {
+            Some(i) => println!("  iperf3 -P {streams} loopback: {}", i.show()),
+            None => println!("  iperf3 -P {streams} loopback: not measured"),
+        }
     }
     for (c, case) in cases.iter().enumerate() {
-        let Some(k) = log.summary(Who::PagePath(c), quiet) else {
-            continue;
-        };
-        let mut line = format!("  page path {}: {}", case.name(), k.show());
-        if let Some(i) = &iperf {
-            line += &format!(", {:.2} of iperf3", k.median / i.median);
-        }
-        for (o, op) in ops.iter().enumerate() {
-            match log.summary(Who::Mooncake(c, o), quiet) {
-                Some(m) => {
-                    line += &format!(", {:.2}x mooncake {op} ({})", k.median / m.median, m.show());
+        for &streams in &args.streams {
+            let Some(k) = log.summary(Who::PagePath(c, streams), quiet) else {
+                continue;
+            };
+            let mut line = format!("  page path x{streams} {}: {}", case.name(), k.show());
+            for (s, i) in &iperf {
+                if let Some(i) = i {
+                    line += &format!(", {:.2} of iperf3 -P {s}", k.median / i.median);
                 }
-                None => line += &format!(", mooncake {op} not measured"),
+            }
+            if streams == 1 {
+                for (o, op) in ops.iter().enumerate() {
+                    match log.summary(Who::Mooncake(c, o), quiet) {
+                        Some(m) => {
+                            line += &format!(
+                                ", {:.2}x mooncake {op} ({})",
+                                k.median / m.median,
+                                m.show()
+                            );
+                        }
+                        None => line += &format!(", mooncake {op} not measured"),
+                    }
+                }
+            }
+            println!("{line}");
+        }
+    }
+    println!("where the time goes (medians of the same runs):");
+    for &streams in &args.streams {
+        if let Some(cost) = log.cost(Who::Iperf(streams), quiet) {
+            println!("  iperf3 -P {streams}: {cost}");
+        }
+    }
+    for (c, case) in cases.iter().enumerate() {
+        for &streams in &args.streams {
+            if let Some(cost) = log.cost(Who::PagePath(c, streams), quiet) {
+                println!("  page path x{streams} {}: {cost}", case.name());
             }
         }
-        println!("{line}");
     }
     ExitCode::SUCCESS
 }
@@ -679,10 +897,10 @@ mod tests {
             after: None,
         };
         let mut log = Log::default();
-        log.push(Who::PagePath(0), run(1.0, 0.0));
+        log.push(Who::PagePath(0, 1), run(1.0, 0.0));
         log.push(Who::Mooncake(0, 0), run(2.0, 0.8));
-        log.push(Who::PagePath(0), run(3.0, 0.0));
-        let s = log.summary(Who::PagePath(0), 0.3).unwrap();
+        log.push(Who::PagePath(0, 1), run(3.0, 0.0));
+        let s = log.summary(Who::PagePath(0, 1), 0.3).unwrap();
         assert_eq!((s.median, s.quiet, s.all), (3.0, 1, 2));
         let s = log.summary(Who::Mooncake(0, 0), 0.3).unwrap();
         assert_eq!((s.quiet, s.all), (0, 1));

@@ -2,30 +2,46 @@
 //! decoded.
 //!
 //! A [`Link`] owns the one connection to kvctld: connect with backoff (100 ms doubling to
-//! 1 s, for ever), `Hello` / `HelloAck`, `RegisterWorker` / `RegisterAck`, then frames in both
-//! directions. Reads go through a [`FrameReader`] (every layer of validation before a frame
-//! reaches the worker); writes go through an outbox that waits for `WRITABLE` when the socket
-//! is full. Any protocol error, read error or write error drops the connection: the worker is
-//! told ([`LinkEvent::Lost`]) and aborts everything it holds before the link reconnects.
+//! 1 s), `Hello` / `HelloAck`, `RegisterWorker` / `RegisterAck` (under the worker's id), then
+//! frames in both directions. Reads go through a [`FrameReader`] (every layer of validation
+//! before a frame reaches the worker); writes go through an [`Outbox`] that waits for
+//! `WRITABLE` when the socket is full. Any protocol error, read error or write error drops the
+//! connection: the worker is told ([`LinkEvent::Lost`]) and aborts everything it holds before
+//! the link reconnects. A refusal of the registration is retried the same way, except
+//! `Misconfigured`: retrying cannot help, so the loop ends with
+//! [`LinkError::Misconfigured`] (the worker exits with its configuration exit code).
 //!
 //! [`serve`] is the one mio event loop of a worker: fixed tokens for the kvctld connection,
-//! the waker (job threads and [`Shutdown`]) and SIGTERM/SIGINT.
+//! the waker (job threads and [`Shutdown`]) and SIGTERM/SIGINT. A stop is graceful:
+//!
+//! ```text
+//! SIGTERM / SIGINT / Shutdown::request
+//!   ├─ not registered ──────────────────────────────▶ stop
+//!   └─ registered: send Drain{own id, drain: true}, keep serving every frame
+//!        ├─ DrainReply (nothing in flight, no page lent) ─▶ stop
+//!        ├─ deadlines.drain passed ───────────────────────▶ stop
+//!        ├─ kvctld connection lost ───────────────────────▶ stop
+//!        └─ a second signal or request ───────────────────▶ stop
+//! stop: the worker aborts what it still holds (reporting Freed), the connection closes.
+//! ```
 
+use crate::config::Config;
+use crate::outbox::{Flushed, Outbox};
 use crate::proto::{
-    ErrorCode, Header, Message, PROTOCOL_VERSION, RegisterAck, RegisterWorker, Role,
+    Drain, DrainReply, ErrorCode, Header, Message, PROTOCOL_VERSION, RegisterAck, RegisterWorker,
+    Role,
 };
-use crate::sys::uds::{FrameReader, ReadOutcome, send_frame};
-use crate::{Generation, RequestId};
-use log::{debug, info, warn};
+use crate::sys::uds::{FrameReader, ReadOutcome};
+use crate::{Generation, Owner, RequestId};
+use log::{debug, error, info, warn};
 use mio::net::UnixStream;
 use mio::{Events, Interest, Poll, Registry, Token, Waker};
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook_mio::v1_0::Signals;
-use std::collections::VecDeque;
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -42,6 +58,9 @@ pub const BACKOFF_START: Duration = Duration::from_millis(100);
 pub const BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// Frames queued for kvctld beyond which it is considered stuck and the connection dropped.
 const MAX_OUTBOX_FRAMES: usize = 1 << 16;
+/// Bytes queued for kvctld beyond which it is considered stuck (64 MiB: far more than a
+/// worker sends between two reads of a live kvctld).
+const MAX_OUTBOX_BYTES: usize = 64 << 20;
 
 /// Errors that end a worker's event loop.
 #[derive(Debug, thiserror::Error)]
@@ -55,6 +74,16 @@ pub enum LinkError {
     /// Waiting for events failed (other than EINTR).
     #[error("waiting for events")]
     Wait(#[source] io::Error),
+    /// kvctld refused the registration as one it can never accept (`Misconfigured`).
+    #[error("kvctld refused the registration of worker {id}: {message}")]
+    Misconfigured { id: String, message: String },
+}
+
+impl LinkError {
+    /// Whether the configuration, not the system, is at fault: retrying cannot help.
+    pub fn is_config(&self) -> bool {
+        matches!(self, LinkError::Misconfigured { .. })
+    }
 }
 
 /// Stops a running worker from another thread (tests, embedding). Cheap to clone.
@@ -65,7 +94,8 @@ pub struct Shutdown {
 
 #[derive(Debug, Default)]
 struct ShutdownInner {
-    requested: AtomicBool,
+    /// 0: running; 1: drain, then stop; 2: stop at once.
+    level: AtomicU8,
     waker: Mutex<Option<Arc<Waker>>>,
 }
 
@@ -75,19 +105,37 @@ impl Shutdown {
         Shutdown::default()
     }
 
-    /// Asks the worker to stop as on SIGTERM; `run` then returns `Ok(())`.
+    /// Asks the worker to stop as on SIGTERM: drain first while registered, then stop; `run`
+    /// then returns `Ok(())`. A second request stops at once, as a second signal does.
     pub fn request(&self) {
-        self.inner.requested.store(true, Ordering::SeqCst);
+        let _ = self
+            .inner
+            .level
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |l| Some((l + 1).min(2)));
+        self.wake();
+    }
+
+    /// Asks the worker to stop at once, without draining.
+    pub fn request_now(&self) {
+        self.inner.level.store(2, Ordering::SeqCst);
+        self.wake();
+    }
+
+    /// Whether a stop was requested.
+    pub fn is_requested(&self) -> bool {
+        self.level() > 0
+    }
+
+    fn level(&self) -> u8 {
+        self.inner.level.load(Ordering::SeqCst)
+    }
+
+    fn wake(&self) {
         let waker = self.inner.waker.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(w) = waker.as_ref() {
             // A failed wake only delays the stop to the loop's next timer.
             let _ = w.wake();
         }
-    }
-
-    /// Whether a stop was requested.
-    pub fn is_requested(&self) -> bool {
-        self.inner.requested.load(Ordering::SeqCst)
     }
 
     fn attach(&self, waker: Arc<Waker>) {
@@ -168,19 +216,26 @@ enum Stage {
     },
     /// Registered in `generation`.
     Ready { generation: Generation },
+    /// kvctld refused the registration for good (`Link::refusal` says why); no retry.
+    Refused,
 }
 
-#[derive(Debug)]
-struct Outgoing {
-    bytes: Vec<u8>,
-    fd: Option<OwnedFd>,
+/// Where a graceful stop stands on the current connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Draining {
+    /// No `Drain` sent.
+    No,
+    /// `Drain` sent, no `DrainReply` yet.
+    Asked,
+    /// kvctld answered `DrainReply`: nothing is in flight on this worker.
+    Drained,
 }
 
 #[derive(Debug)]
 struct Conn {
     stream: UnixStream,
     reader: FrameReader,
-    outbox: VecDeque<Outgoing>,
+    outbox: Outbox,
     /// Whether WRITABLE interest is registered.
     writable: bool,
     /// The reader paused with data possibly left in the socket.
@@ -195,34 +250,36 @@ pub struct Link {
     /// Attached (as a duplicate) to every `RegisterWorker`: prefill's read-only pool fd.
     register_fd: Option<OwnedFd>,
     handshake_timeout: Duration,
+    /// Longest a graceful stop waits for kvctld's `DrainReply`.
+    drain_timeout: Duration,
     backoff: Backoff,
     stage: Stage,
     conn: Option<Conn>,
-    frames_received: Arc<AtomicU64>,
+    draining: Draining,
+    /// Why kvctld refused the registration for good.
+    refusal: Option<String>,
+    frames_received: u64,
 }
 
 impl Link {
-    /// A link that will connect to `socket` and register with `register` (attaching a
-    /// duplicate of `register_fd`, if any). Every frame received is counted in
-    /// `frames_received`.
-    pub fn new(
-        socket: PathBuf,
-        register: RegisterWorker,
-        register_fd: Option<OwnedFd>,
-        handshake_timeout: Duration,
-        frames_received: Arc<AtomicU64>,
-    ) -> Link {
+    /// A link that will connect to `cfg`'s control socket and register with `register`
+    /// (attaching a duplicate of `register_fd`, if any). The handshake must finish within
+    /// `deadlines.bootstrap`; a graceful stop waits at most `deadlines.drain`.
+    pub fn new(cfg: &Config, register: RegisterWorker, register_fd: Option<OwnedFd>) -> Link {
         Link {
-            socket,
+            socket: cfg.control.socket.clone(),
             register,
             register_fd,
-            handshake_timeout,
+            handshake_timeout: cfg.deadlines.bootstrap(),
+            drain_timeout: cfg.deadlines.drain(),
             backoff: Backoff::new(),
             stage: Stage::Down {
                 retry_at: Instant::now(),
             },
             conn: None,
-            frames_received,
+            draining: Draining::No,
+            refusal: None,
+            frames_received: 0,
         }
     }
 
@@ -230,12 +287,59 @@ impl Link {
         self.register.role
     }
 
+    /// The id this worker registers under.
+    pub fn id(&self) -> &str {
+        &self.register.id
+    }
+
+    /// Frames received from kvctld, on every connection so far.
+    pub fn frames_received(&self) -> u64 {
+        self.frames_received
+    }
+
+    /// Whether the job of `owner` should stop: kvctld sent an `Abort` or a `Release` for it
+    /// that the worker has not handled yet, or the connection to kvctld is gone (then
+    /// everything is abandoned). A long job (a prefill) asks between chunks. Reads what the
+    /// socket holds without blocking; the frames stay queued and the loop handles them as
+    /// usual once the job returns.
+    pub fn abandoned(&mut self, owner: Owner) -> bool {
+        let Some(conn) = self.conn.as_mut() else {
+            return true;
+        };
+        let outcome = conn.reader.read_from(&conn.stream);
+        // Whatever was read is for the loop to handle next, without waiting for readiness.
+        conn.more = true;
+        if !matches!(
+            outcome,
+            Ok(ReadOutcome::WouldBlock
+                | ReadOutcome::Progressed { .. }
+                | ReadOutcome::Paused { .. })
+        ) {
+            return true;
+        }
+        conn.reader.queued().any(|(_, msg, _)| match msg {
+            Message::Abort(m) => m.owner == owner,
+            Message::Release(m) => m.owner == owner,
+            _ => false,
+        })
+    }
+
+    /// Whether kvctld accepted the registration on the current connection.
+    pub fn is_registered(&self) -> bool {
+        matches!(self.stage, Stage::Ready { .. })
+    }
+
+    /// Why kvctld refused the registration for good, once it has.
+    pub fn refusal(&self) -> Option<&str> {
+        self.refusal.as_deref()
+    }
+
     /// When the loop must call [`Link::tick`] next, if ever. `may_connect` as for `tick`.
     fn timer(&self, may_connect: bool) -> Option<Instant> {
         match self.stage {
             Stage::Down { retry_at } => may_connect.then_some(retry_at),
             Stage::Hello { deadline } | Stage::Register { deadline, .. } => Some(deadline),
-            Stage::Ready { .. } => None,
+            Stage::Ready { .. } | Stage::Refused => None,
         }
     }
 
@@ -294,28 +398,25 @@ impl Link {
         self.conn = Some(Conn {
             stream,
             reader: FrameReader::new(),
-            outbox: VecDeque::new(),
+            outbox: Outbox::new(),
             writable: false,
             more: false,
         });
+        self.draining = Draining::No;
         self.stage = Stage::Hello {
             deadline: now + self.handshake_timeout,
         };
         self.queue(
             RequestId(0),
             &crate::proto::Hello::new(self.role()).into(),
-            None,
+            Vec::new(),
         );
     }
 
     /// Drops the connection (if any) and schedules the next attempt.
     fn lose(&mut self, registry: &Registry, reason: &str, out: &mut Vec<LinkEvent>) {
-        let was_ready = matches!(self.stage, Stage::Ready { .. });
-        if let Some(mut conn) = self.conn.take() {
-            // The socket closes when dropped; deregistering first keeps the poller clean.
-            let _ = registry.deregister(&mut conn.stream);
-            out.push(LinkEvent::Lost);
-        }
+        let was_ready = self.is_registered();
+        self.drop_conn(registry, out);
         let delay = self.backoff.next_delay();
         if was_ready {
             info!(
@@ -333,37 +434,62 @@ impl Link {
         };
     }
 
+    fn drop_conn(&mut self, registry: &Registry, out: &mut Vec<LinkEvent>) {
+        if let Some(mut conn) = self.conn.take() {
+            // The socket closes when dropped; deregistering first keeps the poller clean.
+            let _ = registry.deregister(&mut conn.stream);
+            out.push(LinkEvent::Lost);
+        }
+        self.draining = Draining::No;
+    }
+
     /// Queues `msg` for kvctld while registered; drops it otherwise (there is no one to
     /// tell: the worker aborts everything when the link is lost).
     pub fn send(&mut self, id: RequestId, msg: impl Into<Message>) {
-        if !matches!(self.stage, Stage::Ready { .. }) {
+        if !self.is_registered() {
             return;
         }
-        self.queue(id, &msg.into(), None);
+        self.queue(id, &msg.into(), Vec::new());
     }
 
     /// Queues a frame a job thread encoded, while registered.
-    #[allow(
-        dead_code,
-        reason = "decoded's jobs use it; prefilld compiles this file too"
-    )]
     pub fn send_encoded(&mut self, bytes: Vec<u8>) {
-        if !matches!(self.stage, Stage::Ready { .. }) {
+        if !self.is_registered() {
             return;
         }
         if let Some(conn) = self.conn.as_mut() {
-            conn.outbox.push_back(Outgoing { bytes, fd: None });
+            conn.outbox.push(bytes, Vec::new());
         }
     }
 
-    fn queue(&mut self, id: RequestId, msg: &Message, fd: Option<OwnedFd>) {
+    fn queue(&mut self, id: RequestId, msg: &Message, fds: Vec<OwnedFd>) {
         let Some(conn) = self.conn.as_mut() else {
             return;
         };
         match msg.encode(id) {
-            Ok(bytes) => conn.outbox.push_back(Outgoing { bytes, fd }),
+            Ok(bytes) => conn.outbox.push(bytes, fds),
             Err(e) => warn!("cannot encode a {:?} frame: {e}", msg.msg_type()),
         }
+    }
+
+    /// Asks kvctld to send this worker no new requests (`Drain` for its own id). Returns
+    /// false, sending nothing, when not registered.
+    fn start_drain(&mut self) -> bool {
+        if !self.is_registered() {
+            return false;
+        }
+        let drain = Drain {
+            worker: self.register.id.clone(),
+            drain: true,
+        };
+        self.send(RequestId(0), drain);
+        self.draining = Draining::Asked;
+        true
+    }
+
+    /// Whether kvctld answered this connection's `Drain`.
+    fn drained(&self) -> bool {
+        self.draining == Draining::Drained
     }
 
     /// Writes queued frames until the socket is full (then waits for WRITABLE).
@@ -371,25 +497,19 @@ impl Link {
         let Some(conn) = self.conn.as_mut() else {
             return;
         };
-        if conn.outbox.len() > MAX_OUTBOX_FRAMES {
-            let reason = format!("kvctld is not reading: {} frames queued", conn.outbox.len());
+        if conn.outbox.len() > MAX_OUTBOX_FRAMES || conn.outbox.bytes() > MAX_OUTBOX_BYTES {
+            let reason = format!(
+                "kvctld is not reading: {} frames ({} bytes) queued",
+                conn.outbox.len(),
+                conn.outbox.bytes()
+            );
             self.lose(registry, &reason, out);
             return;
         }
-        let mut failed = None;
-        while let Some(front) = conn.outbox.front() {
-            let fds: Vec<BorrowedFd<'_>> = front.fd.iter().map(AsFd::as_fd).collect();
-            match send_frame(&conn.stream, &front.bytes, &fds) {
-                Ok(()) => {
-                    conn.outbox.pop_front();
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) => {
-                    failed = Some(format!("writing to kvctld: {e}"));
-                    break;
-                }
-            }
-        }
+        let mut failed = match conn.outbox.flush(&conn.stream) {
+            Ok(Flushed::Empty | Flushed::Pending) => None,
+            Err(e) => Some(format!("writing to kvctld: {e}")),
+        };
         if failed.is_none() {
             let want = !conn.outbox.is_empty();
             if want != conn.writable {
@@ -425,9 +545,11 @@ impl Link {
                 Ok(None) => break,
                 Err(e) => {
                     if let Some(reply) = e.reply() {
-                        // Best effort: the connection is dropped either way.
+                        // Best effort, after what is queued (never inside a half-written
+                        // frame): the connection is dropped either way.
                         if let Ok(bytes) = Message::from(reply).encode(RequestId(0)) {
-                            let _ = send_frame(&conn.stream, &bytes, &[]);
+                            conn.outbox.push(bytes, Vec::new());
+                            let _ = conn.outbox.flush(&conn.stream);
                         }
                     }
                     failure = Some(format!("protocol error from kvctld: {e}"));
@@ -436,7 +558,7 @@ impl Link {
             }
         }
         for (header, msg, fds) in frames {
-            self.frames_received.fetch_add(1, Ordering::Relaxed);
+            self.frames_received += 1;
             if self.conn.is_none() {
                 break;
             }
@@ -475,11 +597,12 @@ impl Link {
             other => format!("unexpected {:?} in answer to the {what}", other.msg_type()),
         };
         match (self.stage, msg) {
+            (Stage::Ready { .. }, Message::DrainReply(reply)) => self.drain_reply(&reply),
             (Stage::Ready { .. }, msg) => out.push(LinkEvent::Frame(header, msg, fds)),
             (Stage::Hello { .. }, Message::HelloAck(ack)) if ack.version == PROTOCOL_VERSION => {
-                let fd = match self.register_fd.as_ref().map(OwnedFd::try_clone) {
-                    None => None,
-                    Some(Ok(fd)) => Some(fd),
+                let fds = match self.register_fd.as_ref().map(OwnedFd::try_clone) {
+                    None => Vec::new(),
+                    Some(Ok(fd)) => vec![fd],
                     Some(Err(e)) => {
                         let reason = format!("duplicating the pool fd: {e}");
                         self.lose(registry, &reason, out);
@@ -487,7 +610,7 @@ impl Link {
                     }
                 };
                 let register = Message::from(self.register.clone());
-                self.queue(RequestId(0), &register, fd);
+                self.queue(RequestId(0), &register, fds);
                 self.stage = Stage::Register {
                     deadline: Instant::now() + self.handshake_timeout,
                     generation: ack.generation,
@@ -510,13 +633,25 @@ impl Link {
                     return;
                 }
                 info!(
-                    "registered with kvctld as {:?} worker (generation {})",
+                    "registered with kvctld as {:?} worker {} (generation {})",
                     self.role(),
+                    self.register.id,
                     generation.0
                 );
                 self.backoff.reset();
                 self.stage = Stage::Ready { generation };
                 out.push(LinkEvent::Registered(ack));
+            }
+            (Stage::Hello { .. } | Stage::Register { .. }, Message::Error(e))
+                if e.code == ErrorCode::Misconfigured =>
+            {
+                error!(
+                    "kvctld refused worker {} for good: {}; not retrying",
+                    self.register.id, e.message
+                );
+                self.drop_conn(registry, out);
+                self.refusal = Some(e.message);
+                self.stage = Stage::Refused;
             }
             (Stage::Hello { .. }, msg) => {
                 let reason = refused("Hello", &msg);
@@ -532,7 +667,26 @@ impl Link {
                 }
                 self.lose(registry, &reason, out);
             }
-            (Stage::Down { .. }, _) => {}
+            (Stage::Down { .. } | Stage::Refused, _) => {}
+        }
+    }
+
+    /// kvctld's answer to this worker's `Drain`, sent once nothing is in flight on it and no
+    /// page is lent against its pool.
+    fn drain_reply(&mut self, reply: &DrainReply) {
+        if self.draining == Draining::No {
+            debug!("DrainReply without a Drain; ignoring");
+        } else if reply.worker.id != self.register.id {
+            warn!(
+                "DrainReply for worker {}, this is {}; ignoring",
+                reply.worker.id, self.register.id
+            );
+        } else {
+            debug!(
+                "kvctld drained worker {} ({} in flight, {} pages lent)",
+                reply.worker.id, reply.worker.in_flight, reply.worker.held_pages
+            );
+            self.draining = Draining::Drained;
         }
     }
 
@@ -584,8 +738,51 @@ fn dispatch(link: &mut Link, worker: &mut impl Worker, out: &mut Vec<LinkEvent>)
     }
 }
 
-/// The worker's event loop: runs until SIGTERM/SIGINT (if `opts.handle_signals`) or
-/// `opts.shutdown`, then lets the worker abort what it holds and returns.
+/// Whether the loop goes on, and if not, why.
+fn stop_reason(
+    link: &mut Link,
+    requests: u8,
+    drain_deadline: &mut Option<Instant>,
+    now: Instant,
+) -> Option<String> {
+    if requests >= 2 {
+        return Some("a second stop request: stopping now".to_owned());
+    }
+    if requests == 0 {
+        return None;
+    }
+    let Some(deadline) = *drain_deadline else {
+        if !link.start_drain() {
+            return Some("stop requested while not registered: stopping now".to_owned());
+        }
+        info!(
+            "stop requested: draining worker {} (up to {} ms)",
+            link.id(),
+            link.drain_timeout.as_millis()
+        );
+        *drain_deadline = Some(now + link.drain_timeout);
+        // The service manager hears of the stop now, not when the drain ends.
+        let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
+        return None;
+    };
+    if link.drained() {
+        Some("kvctld drained this worker: stopping".to_owned())
+    } else if !link.is_registered() {
+        Some("the kvctld connection ended while draining: stopping".to_owned())
+    } else if now >= deadline {
+        Some(format!(
+            "no DrainReply within {} ms: stopping",
+            link.drain_timeout.as_millis()
+        ))
+    } else {
+        None
+    }
+}
+
+/// The worker's event loop: runs until stopped (see the module doc: SIGTERM/SIGINT if
+/// `opts.handle_signals`, or `opts.shutdown`; registered, it drains first), then lets the
+/// worker abort what it holds and returns. Ends with [`LinkError::Misconfigured`] when kvctld
+/// refuses the registration for good.
 pub fn serve(
     mut poll: Poll,
     waker: Arc<Waker>,
@@ -605,13 +802,23 @@ pub fn serve(
     };
     let mut events = Events::with_capacity(64);
     let mut out = Vec::new();
-    loop {
-        if opts.shutdown.is_requested() {
-            info!("stop requested");
-            break;
+    let mut signalled = 0u8;
+    let mut drain_deadline = None;
+    let result = loop {
+        if let Some(message) = link.refusal() {
+            break Err(LinkError::Misconfigured {
+                id: link.id().to_owned(),
+                message: message.to_owned(),
+            });
+        }
+        let requests = opts.shutdown.level().saturating_add(signalled);
+        if let Some(reason) = stop_reason(&mut link, requests, &mut drain_deadline, Instant::now())
+        {
+            info!("{reason}");
+            break Ok(());
         }
         let now = Instant::now();
-        let may_connect = worker.can_register();
+        let may_connect = worker.can_register() && drain_deadline.is_none();
         link.tick(poll.registry(), now, may_connect, &mut out);
         dispatch(&mut link, worker, &mut out);
         worker.expire(&mut link, now);
@@ -621,18 +828,22 @@ pub fn serve(
         let timeout = if link.read_pending() {
             Some(Duration::ZERO)
         } else {
-            [link.timer(worker.can_register()), worker.next_deadline()]
-                .into_iter()
-                .flatten()
-                .min()
-                .map(|t| t.saturating_duration_since(Instant::now()))
+            [
+                link.timer(worker.can_register()),
+                worker.next_deadline(),
+                drain_deadline,
+            ]
+            .into_iter()
+            .flatten()
+            .min()
+            .map(|t| t.saturating_duration_since(Instant::now()))
         };
         match poll.poll(&mut events, timeout) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(LinkError::Wait(e)),
+            Err(e) => break Err(LinkError::Wait(e)),
         }
-        let (mut readable, mut stop) = (link.read_pending(), false);
+        let mut readable = link.read_pending();
         for event in events.iter() {
             match event.token() {
                 CONN => {
@@ -641,8 +852,8 @@ pub fn serve(
                 SIGNALS => {
                     if let Some(s) = signals.as_mut() {
                         for sig in s.pending() {
-                            info!("received signal {sig}, stopping");
-                            stop = true;
+                            info!("received signal {sig}");
+                            signalled = signalled.saturating_add(1);
                         }
                     }
                 }
@@ -656,97 +867,14 @@ pub fn serve(
         worker.on_wake(&mut link);
         link.flush(poll.registry(), &mut out);
         dispatch(&mut link, worker, &mut out);
-        if stop {
-            break;
-        }
-    }
+    };
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
     worker.shutdown(&mut link);
     link.close(poll.registry());
     if let Some(mut s) = signals {
         let _ = poll.registry().deregister(&mut s);
     }
-    Ok(())
-}
-
-/// Cuts `s` to at most [`crate::proto::MAX_TEXT_BYTES`] on a character boundary, for the
-/// text of an `Error` or `Abort`.
-pub fn text(s: String) -> String {
-    if s.len() <= crate::proto::MAX_TEXT_BYTES {
-        return s;
-    }
-    let mut end = crate::proto::MAX_TEXT_BYTES;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    s[..end].to_owned()
-}
-
-/// Answers `Error{code, message}` for request `id`.
-pub fn refuse(link: &mut Link, id: RequestId, code: crate::proto::ErrorCode, message: String) {
-    debug!("refusing {id}: {code}: {message}");
-    link.send(
-        id,
-        crate::proto::Error {
-            code,
-            message: text(message),
-        },
-    );
-}
-
-/// The error code a worker answers for a reservation its pool refused.
-pub fn pool_error_code(e: &crate::pool::PoolError) -> crate::proto::ErrorCode {
-    use crate::pool::PoolError;
-    use crate::proto::ErrorCode;
-    match e {
-        PoolError::Full { .. } => ErrorCode::PoolFull,
-        PoolError::NeverFits { .. } => ErrorCode::BadRequest,
-        _ => ErrorCode::Internal,
-    }
-}
-
-/// Pages of a reservation, as the wire counts them.
-pub fn page_count(res: &crate::pool::Reservation) -> u32 {
-    u32::try_from(res.pages().len()).unwrap_or(u32::MAX)
-}
-
-/// Refuses an owner of another generation than `current` (the one kvctld registered this
-/// worker under), or one that is not the frame's request `id`.
-pub fn check_owner(
-    current: Option<Generation>,
-    id: RequestId,
-    owner: crate::Owner,
-) -> Result<(), String> {
-    match current {
-        Some(g) if g == owner.generation => {}
-        Some(g) => {
-            return Err(format!(
-                "owner {owner} is not of the current generation {}",
-                g.0
-            ));
-        }
-        None => return Err("not registered".to_owned()),
-    }
-    if owner.request != id {
-        return Err(format!("frame for {id} names owner {owner}"));
-    }
-    Ok(())
-}
-
-/// Sends kvctld the pool's page counts by state and the worker's counters.
-pub fn send_report(link: &mut Link, pool: &crate::pool::PagePool, counters: Vec<(String, u64)>) {
-    let u = pool.usage();
-    link.send(
-        RequestId(0),
-        crate::proto::PoolReport {
-            free: u.free,
-            reserved: u.reserved,
-            writing: u.writing,
-            readable: u.readable,
-            draining: u.draining,
-            counters,
-        },
-    );
+    result
 }
 
 #[cfg(test)]
@@ -760,5 +888,19 @@ mod tests {
         assert_eq!(delays, [100, 200, 400, 800, 1000, 1000]);
         b.reset();
         assert_eq!(b.next_delay(), BACKOFF_START);
+    }
+
+    #[test]
+    fn a_second_request_stops_at_once() {
+        let s = Shutdown::new();
+        assert!(!s.is_requested());
+        s.request();
+        assert_eq!(s.level(), 1);
+        s.request();
+        s.request();
+        assert_eq!(s.level(), 2);
+        let s = Shutdown::new();
+        s.request_now();
+        assert_eq!(s.level(), 2);
     }
 }
