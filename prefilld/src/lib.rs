@@ -64,11 +64,21 @@ struct Prefill {
     /// Owners released while the page server may still be sending their pages: freed and
     /// reported once the server let go of them.
     releasing: Vec<(Owner, Arc<Served>)>,
+    /// What was held when the kvctld connection went, with the time until which a decode
+    /// worker may still be copying it from its read-only map of the pool; then freed
+    /// silently (no kvctld to tell). The worker registers anew only once this is empty.
+    orphaned: Vec<(Instant, Arc<Served>)>,
     server: Option<PageServer>,
     generation: Option<Generation>,
     max_context: u32,
     hold_for: Duration,
+    /// How long a pull may still run after kvctld is gone: a decode job stops pulling at
+    /// its transfer deadline, checked between pages.
+    orphan_hold: Duration,
 }
+
+/// Beyond the transfer deadline, the time a decode job may take to notice it (one page run).
+const ORPHAN_MARGIN: Duration = Duration::from_millis(100);
 
 /// How often the loop looks at `releasing` if no wake-up came.
 const RELEASE_POLL: Duration = Duration::from_millis(50);
@@ -130,10 +140,12 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
         counters,
         held,
         releasing: Vec::new(),
+        orphaned: Vec::new(),
         server,
         generation: None,
         max_context: cfg.limits.max_context,
         hold_for: cfg.deadlines.request(),
+        orphan_hold: cfg.deadlines.transfer() + ORPHAN_MARGIN,
     };
     worker::serve(poll, waker, link, &mut worker, &opts)?;
     Ok(())
@@ -309,12 +321,27 @@ impl Prefill {
             }
         }
     }
+
+    /// Frees what kvctld's loss left held once no decode job and no page server connection
+    /// can still read it. Nothing is reported: the kvctld these pages were lent by is gone.
+    fn settle_orphans(&mut self, now: Instant) {
+        self.orphaned.retain(|(until, served)| {
+            let keep = *until > now || Arc::strong_count(served) > 1;
+            if !keep {
+                let pages = page_count(&served.res);
+                add(&self.counters.freed_pages, u64::from(pages));
+                debug!("freed {pages} pages held when kvctld was lost");
+            }
+            keep
+        });
+    }
 }
 
 impl Worker for Prefill {
     fn can_register(&self) -> bool {
         self.held.lock().is_empty()
             && self.releasing.is_empty()
+            && self.orphaned.is_empty()
             && self.pool.usage().free == self.pool.pages()
     }
 
@@ -339,24 +366,38 @@ impl Worker for Prefill {
     }
 
     fn on_lost(&mut self) {
-        // The connection is gone: nobody will Release these pages. A page server connection
-        // still sending some keeps them until it lets go (then the pool is all free again
-        // and the worker registers anew).
-        self.held.lock().clear();
-        self.releasing.clear();
+        // The connection is gone: nobody will Release these pages. A decode worker may still
+        // be copying some of them from its read-only map of the pool (a page server
+        // connection or RDMA session holds its own reference instead), and freeing would
+        // poison or reuse pages under its copy. Its job stops pulling by its transfer
+        // deadline, and before the request's deadline, which ends no later than ours: the
+        // pages stay until the earlier of the two, then go back to the free list.
+        let now = Instant::now();
+        let held: Vec<Arc<Served>> = self.held.lock().drain().map(|(_, s)| s).collect();
+        for served in held {
+            let until = (now + self.orphan_hold).min(served.expires);
+            self.orphaned.push((until, served));
+        }
+        // Released already: decode is done with them, only the page server may hold them.
+        self.orphaned
+            .extend(self.releasing.drain(..).map(|(_, served)| (now, served)));
         self.generation = None;
     }
 
     fn on_wake(&mut self, link: &mut Link) {
         self.settle(link);
+        self.settle_orphans(Instant::now());
     }
 
     fn next_deadline(&self) -> Option<Instant> {
-        let poll = (!self.releasing.is_empty()).then(|| Instant::now() + RELEASE_POLL);
+        let poll = (!self.releasing.is_empty() || !self.orphaned.is_empty())
+            .then(|| Instant::now() + RELEASE_POLL);
+        let orphans = self.orphaned.iter().map(|(until, _)| *until);
         self.held
             .lock()
             .values()
             .map(|h| h.expires)
+            .chain(orphans)
             .chain(poll)
             .min()
     }
@@ -379,6 +420,7 @@ impl Worker for Prefill {
             self.releasing.push((owner, served));
         }
         self.settle(link);
+        self.settle_orphans(now);
     }
 
     fn shutdown(&mut self, link: &mut Link) {
@@ -593,7 +635,9 @@ mod tests {
     #[test]
     fn waits_for_kvctld_and_reconnects_after_drop_or_bad_frame() {
         let mut kvctld = FakeKvctld::unbound();
-        let cfg = test_config(kvctld.socket.clone());
+        let mut cfg = test_config(kvctld.socket.clone());
+        // Pages held when kvctld goes are kept for a transfer deadline (the test below).
+        cfg.deadlines.transfer = 200;
         let daemon = start(cfg.clone());
         // kvctld is not there yet: the worker keeps retrying.
         std::thread::sleep(Duration::from_millis(350));
@@ -603,8 +647,9 @@ mod tests {
         peer.send(RequestId(1), run_msg(1, PROMPT));
         assert!(matches!(peer.next_frame().1, Message::PrefillDone(_)));
 
-        // kvctld goes away while pages are held: they are dropped, and the worker registers
-        // again with an empty pool (handshake checks the PoolReport).
+        // kvctld goes away while pages are held: they are dropped once no pull can still
+        // read them, and the worker registers again with an empty pool (handshake checks the
+        // PoolReport).
         drop(peer);
         let mut peer = kvctld.accept();
         peer.handshake(&cfg);
@@ -628,6 +673,53 @@ mod tests {
         );
         peer.expect_closed();
         let mut peer = kvctld.accept();
+        peer.handshake(&cfg);
+        daemon.stop().unwrap();
+    }
+
+    #[test]
+    fn pages_held_when_kvctld_is_lost_stay_until_no_pull_can_read_them() {
+        // A decode worker may be copying a request's pages from its map of the pool when
+        // kvctld dies. Freeing them at once would poison (or reuse) them under its copy.
+        let kvctld = FakeKvctld::new();
+        let mut cfg = test_config(kvctld.socket.clone());
+        let hold = Duration::from_millis(3000);
+        cfg.deadlines.transfer = u32::try_from(hold.as_millis()).unwrap();
+        let daemon = start(cfg.clone());
+        let mut peer = kvctld.accept();
+        let (_, fd) = peer.handshake(&cfg);
+        let fd = fd.expect("prefill registers its pool fd");
+        let page_bytes = cfg.geometry.bytes_per_page();
+        let foreign = ForeignPool::map(fd.as_fd(), page_bytes, cfg.prefill.pool_pages).unwrap();
+        peer.send(RequestId(1), run_msg(1, PROMPT));
+        let Message::PrefillDone(PrefillDone { manifest }) = peer.next_frame().1 else {
+            panic!("expected PrefillDone");
+        };
+        let lost = Instant::now();
+        drop(peer);
+
+        // Well inside the transfer deadline, a copy still reads what prefill wrote.
+        std::thread::sleep(Duration::from_millis(300));
+        let mut buf = vec![0u8; usize::try_from(page_bytes).unwrap()];
+        for (p, d) in manifest.pages.iter().zip(&manifest.digests) {
+            foreign.copy_page(*p, &mut buf).unwrap();
+            assert!(
+                lost.elapsed() < hold,
+                "the check ran too late to mean anything"
+            );
+            assert_eq!(
+                page_digest(&buf),
+                *d,
+                "page {p} changed after kvctld was lost"
+            );
+        }
+        // The worker comes back only once the pages are free, after the deadline.
+        let mut peer = kvctld.accept();
+        assert!(
+            lost.elapsed() >= hold,
+            "registered again after {:?}, before the transfer deadline",
+            lost.elapsed()
+        );
         peer.handshake(&cfg);
         daemon.stop().unwrap();
     }
