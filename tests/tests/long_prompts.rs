@@ -213,36 +213,35 @@ fn prefill_has_its_own_deadline_and_an_abandoned_prefill_frees_its_pages_at_once
         }
         other => panic!("{other:?}"),
     }
-    assert!(
-        failed_after < full,
-        "failed after {failed_after:?}, the whole prefill takes {full:?}"
-    );
-    // The abandoned prefill stops between chunks: its pages are free long before the whole
-    // prefill could have ended.
+    // The abandoned prefill stops between chunks (counted as abandoned only then: a prefill
+    // that ran to its end counts as a run) and frees its pages at once. Its worker reports
+    // both after the fact, so the report is waited for, never read once.
     let t = Instant::now();
     let freed = wait_until(Duration::from_secs(20), || {
         let s = stack.status().ok()?;
         let w = find_worker(&s, "prefill-0")?;
-        (w.free == w.pool_pages && w.held_pages == 0).then_some(())
+        let abandoned = w
+            .counters
+            .iter()
+            .find(|(n, _)| n == "prefills_abandoned")
+            .map(|(_, v)| *v);
+        (abandoned == Some(1) && w.free == w.pool_pages && w.held_pages == 0).then_some(s)
     });
     let free_after = t.elapsed();
-    assert!(freed.is_some(), "{:?}", stack.status());
+    let status = freed.unwrap_or_else(|| {
+        panic!(
+            "the abandoned prefill was not counted with its pages free: {:?}",
+            stack.status()
+        )
+    });
+    let runs = find_worker(&status, "prefill-0")
+        .and_then(|w| w.counters.iter().find(|(n, _)| n == "prefill_runs"))
+        .map(|(_, v)| *v);
+    assert_eq!(runs, Some(0), "the prefill ran to its end: {status:?}");
     eprintln!(
         "prefill deadline 300 ms: the request failed after {failed_after:?}; the prefill \
          worker's pages were free {free_after:?} later (the whole prefill takes {full:?})"
     );
-    // Run to its end, the prefill would have held them for the rest of `full`.
-    let rest = full.saturating_sub(failed_after);
-    assert!(
-        free_after < rest / 2,
-        "pages free {free_after:?} after the request failed; the rest of the prefill takes \
-         {rest:?}"
-    );
-    let status = stack.status().expect("status");
-    let abandoned = find_worker(&status, "prefill-0")
-        .and_then(|w| w.counters.iter().find(|(n, _)| n == "prefills_abandoned"))
-        .map(|(_, v)| *v);
-    assert_eq!(abandoned, Some(1), "{status:?}");
     // The worker serves the next request normally.
     let short = prompt(500);
     let out = stack
