@@ -1,5 +1,5 @@
-//! The idle check of the crash campaign (`tests/crash.rs`) and the soak (`kvsoak`), which
-//! both include this file with `#[path]`: a stack is idle when kvctld lists every worker of
+//! The idle check of the crash campaign (`tests/crash.rs`), the network fault campaign
+//! (`tests/netfaults.rs`) and the soak (`kvsoak`): a stack is idle when kvctld lists every worker of
 //! the stack connected, and nothing else, each with every page of its pool free (none
 //! reserved, being written, readable or draining), no page lent against it and no request
 //! on it, and kvctld itself holds no request.
@@ -9,24 +9,12 @@
 //! ([`wait_idle`]), never read once.
 
 use kvctld::stack::{Stack, error_chain, wait_until};
-use libkv::proto::{Role, StatusReply, WorkerStatus};
+use libkv::proto::{StatusReply, WorkerStatus};
 use std::time::{Duration, Instant};
 
-/// The ids of the stack's workers: its prefill workers, then its decode workers.
-pub fn worker_ids(stack: &Stack) -> Vec<String> {
-    let mut ids = stack.worker_ids(Role::Prefill);
-    ids.extend(stack.worker_ids(Role::Decode));
-    ids
-}
-
-/// kvctld's counter `name`, if it reports it.
-pub fn counter(status: &StatusReply, name: &str) -> Option<u64> {
-    status
-        .counters
-        .iter()
-        .find(|(n, _)| n == name)
-        .map(|(_, v)| *v)
-}
+// The ids of the stack's workers, and kvctld's own counters, as the rest of the library
+// reads them.
+pub use crate::{all_worker_ids as worker_ids, counter};
 
 /// The worker's own counter `name` (from its last pool report), 0 if absent.
 pub fn worker_counter(w: &WorkerStatus, name: &str) -> u64 {

@@ -13,12 +13,10 @@
 
 #![allow(clippy::print_stdout)]
 
-#[path = "../idle.rs"]
-mod idle;
-
 use clap::Parser;
 use kvctld::client::{Client, ClientError, GenerateOutcome};
 use kvctld::stack::{Stack, StackOptions, error_chain};
+use kvfence_tests::idle;
 use libkv::RequestId;
 use libkv::config::{Config, PoisonMode};
 use libkv::model::{self, ReferenceModel};
