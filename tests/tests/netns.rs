@@ -9,106 +9,16 @@
 
 use kvctld::client::GenerateOutcome;
 use kvctld::stack::{Daemon, Stack, StackOptions, default_bin_dir, error_chain};
+use kvfence_tests::hosts::{self, Hosts};
 use kvfence_tests::worker_counter;
 use libkv::config::{Config, Transfer, TransportKind};
 use libkv::model::{ReferenceModel, monolithic, tokenize};
-use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
 const PREFILL_ADDR: &str = "192.0.2.1";
 const DECODE_ADDR: &str = "192.0.2.2";
 const TEST_BOUND: Duration = Duration::from_secs(60);
-
-/// Runs `ip ARGS`; the error names the command and its stderr.
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "ip {}: {}: {}",
-            args.join(" "),
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
-}
-
-/// Why this machine cannot run the test, if it cannot.
-fn cannot_run() -> Option<String> {
-    if !nix::unistd::geteuid().is_root() {
-        return Some("not root".into());
-    }
-    ip(&["netns", "list"])
-        .err()
-        .map(|e| format!("`ip netns` is unavailable ({e}); install iproute2"))
-}
-
-/// Two namespaces joined by a veth pair; removed on drop (which removes the veth too).
-struct Hosts {
-    a: String,
-    b: String,
-}
-
-impl Hosts {
-    fn create() -> Result<Hosts, String> {
-        let pid = std::process::id();
-        let hosts = Hosts {
-            a: format!("kvf-a-{pid}"),
-            b: format!("kvf-b-{pid}"),
-        };
-        // Interface names are at most 15 bytes: "kvfa" + a pid of at most 7 digits.
-        let (va, vb) = (format!("kvfa{pid}"), format!("kvfb{pid}"));
-        let (a, b) = (hosts.a.as_str(), hosts.b.as_str());
-        ip(&["netns", "add", a])?;
-        ip(&["netns", "add", b])?;
-        ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb])?;
-        ip(&["link", "set", &va, "netns", a])?;
-        ip(&["link", "set", &vb, "netns", b])?;
-        ip(&[
-            "-n",
-            a,
-            "addr",
-            "add",
-            &format!("{PREFILL_ADDR}/24"),
-            "dev",
-            &va,
-        ])?;
-        ip(&[
-            "-n",
-            b,
-            "addr",
-            "add",
-            &format!("{DECODE_ADDR}/24"),
-            "dev",
-            &vb,
-        ])?;
-        for (ns, dev) in [(a, va.as_str()), (b, vb.as_str())] {
-            ip(&["-n", ns, "link", "set", "lo", "up"])?;
-            ip(&["-n", ns, "link", "set", dev, "up"])?;
-        }
-        Ok(hosts)
-    }
-
-    fn exec(ns: &str) -> Vec<String> {
-        ["ip", "netns", "exec", ns].map(String::from).to_vec()
-    }
-}
-
-impl Drop for Hosts {
-    fn drop(&mut self) {
-        for ns in [&self.a, &self.b] {
-            if let Err(e) = ip(&["netns", "del", ns]) {
-                eprintln!("removing namespace {ns}: {e}");
-            }
-        }
-    }
-}
 
 fn prompt(tenant: &str, index: usize, len: usize) -> Vec<u8> {
     let mut p = format!("[{tenant} secret s3cr3t-{tenant}-{index:04}] ").into_bytes();
@@ -121,7 +31,7 @@ fn prompt(tenant: &str, index: usize, len: usize) -> Vec<u8> {
 
 #[test]
 fn prefilld_and_decoded_on_two_network_namespaces_pull_over_tcp() {
-    if let Some(why) = cannot_run() {
+    if let Some(why) = hosts::cannot_run() {
         eprintln!("SKIPPED: two-namespace TCP test: {why}");
         return;
     }
@@ -134,7 +44,7 @@ fn prefilld_and_decoded_on_two_network_namespaces_pull_over_tcp() {
             d.binary()
         );
     }
-    let hosts = match Hosts::create() {
+    let hosts = match Hosts::create("ns", PREFILL_ADDR, DECODE_ADDR) {
         Ok(h) => h,
         Err(e) => panic!("creating the namespaces: {e}"),
     };
