@@ -2,7 +2,9 @@
 # The soft-RoCE test: runs the RDMA tests against a real verbs device, rdma_rxe, inside a
 # qemu guest (stock Debian kernel, TCG; the host kernel has no RDMA): libkv's verbs and
 # window tests (libkv/tests/rdma.rs), the page server's RDMA sessions (prefilld), and the
-# whole stack over the RDMA transport (tests/tests/stack.rs). The binaries are built on the
+# whole stack over the RDMA transport (tests/tests/stack.rs); and, since the stock kernel has
+# sch_netem where the host's may not, the network fault campaign on the TCP page path
+# (tests/tests/netfaults.rs). The binaries are built on the
 # host; the guest sees the host root read-only over
 # virtio-9p, brings up rxe0 on a dummy netdev with a TEST-NET-1 address that exists only in
 # the guest (`-nic none`: no network at all), and runs the binary with KVFENCE_RDMA_DEVICE=rxe0
@@ -54,7 +56,8 @@ fi
 verbs=$(test_binary rdma -p libkv --test rdma)
 pages=$(test_binary prefilld -p prefilld --lib)
 stack=$(test_binary stack -p kvfence-tests --test stack)
-for b in "$verbs" "$pages" "$stack"; do
+netfaults=$(test_binary netfaults -p kvfence-tests --test netfaults)
+for b in "$verbs" "$pages" "$stack" "$netfaults"; do
   [ -x "${b:-/nonexistent}" ] || { echo "rxe: FAIL: cannot build or find the RDMA test binaries" >&2; exit 1; }
 done
 tb=$SECONDS
@@ -65,6 +68,7 @@ out=$(mktemp -d -t kvfence-rxe.XXXXXX)
   echo "$verbs"
   echo "$pages pageserver::tests::rdma::"
   echo "$stack rdma"
+  echo "$netfaults"
 } > "$out/test-binaries"
 cp "$here/rxe-guest.sh" "$out/rxe-guest.sh"
 rxe_boot "$out" rxe-guest.sh "${KVFENCE_VM_TIMEOUT:-300}" || exit 1

@@ -85,8 +85,9 @@ if [ "$rxe" = 1 ]; then
   iname=initramfs-rxe
   init_script=$here/rxe-init.sh
   # crc32 shash for rxe's ICRC, preloaded so that no request_module happens in the chroot;
-  # dummy for the netdev rxe sits on
-  mods="virtio_pci 9pnet_virtio 9p overlay dummy crc32_generic crc32_pclmul rdma_rxe"
+  # dummy for the netdev rxe sits on; veth and sch_netem for the network fault campaign
+  # (tests/tests/netfaults.rs), which needs netem the host kernel may not have
+  mods="virtio_pci 9pnet_virtio 9p overlay dummy crc32_generic crc32_pclmul rdma_rxe veth sch_netem"
 else
   iname=initramfs
   init_script=$here/guest-init.sh
