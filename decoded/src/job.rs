@@ -120,11 +120,60 @@ impl PageSource for ForeignPool {
 /// Idle connections kept per page server: one per job thread, the most that can be busy on
 /// one source at once, so a source never holds more than that many open connections idle.
 const IDLE_CONNECTIONS: usize = crate::JOB_THREADS;
-/// Longest a connection attempt to the page server may take.
+/// Longest a connection waits in the idle list before it is closed instead of reused. The
+/// page server closes a connection that brought no request for its own idle time (the
+/// request deadline); one it closed just as a job took it would fail that job's request for
+/// nothing. Closed ones are also caught before reuse ([`still_open`]); this bounds the race.
+const IDLE_REUSE_FOR: Duration = Duration::from_secs(1);
+
+/// The idle connections of one page server, each with the time it went idle.
+#[derive(Debug)]
+struct IdleList<T>(Mutex<Vec<(Instant, T)>>);
+
+impl<T> IdleList<T> {
+    fn new() -> IdleList<T> {
+        IdleList(Mutex::new(Vec::new()))
+    }
+
+    /// The most recently idle connection that is still fit for a request: idle less than
+    /// [`IDLE_REUSE_FOR`] and, by `open`, not closed by the server. The others are dropped
+    /// (closed) on the way.
+    fn take(&self, open: impl Fn(&T) -> bool) -> Option<T> {
+        loop {
+            let next = self.0.lock().unwrap_or_else(|e| e.into_inner()).pop()?;
+            let (since, conn) = next;
+            if since.elapsed() < IDLE_REUSE_FOR && open(&conn) {
+                return Some(conn);
+            }
+        }
+    }
+
+    /// Keeps `conn` for the next request, unless [`IDLE_CONNECTIONS`] are idle already.
+    fn put(&self, conn: T) {
+        let mut idle = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() < IDLE_CONNECTIONS {
+            idle.push((Instant::now(), conn));
+        }
+    }
+}
+
+/// Whether an idle page-server connection is still open: nothing to read (the server sends
+/// only when asked), no end of stream, no error.
+fn still_open(stream: &TcpStream) -> bool {
+    if stream.set_nonblocking(true).is_err() {
+        return false;
+    }
+    let mut byte = [0u8; 1];
+    let open = matches!(stream.peek(&mut byte), Err(e) if e.kind() == io::ErrorKind::WouldBlock);
+    stream.set_nonblocking(false).is_ok() && open
+}
+/// Longest one connection attempt to the page server may take before the pull looks at its
+/// deadline and, if it may go on, tries again (see [`connect`]).
 const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// One prefill worker's TCP page server. Connections are reused across requests (at most
-/// [`IDLE_CONNECTIONS`] kept idle, per source); one that saw any error is dropped. Dropping
+/// [`IDLE_CONNECTIONS`] kept idle, per source, for at most [`IDLE_REUSE_FOR`]); one that saw
+/// any error is dropped. Dropping
 /// the source (the worker is gone or replaced, and no job still holds it) closes its idle
 /// connections.
 #[derive(Debug)]
@@ -133,16 +182,41 @@ pub(crate) struct TcpSource {
     token: [u8; TOKEN_BYTES],
     pool_pages: u32,
     page_bytes: u64,
-    idle: Mutex<Vec<TcpStream>>,
+    idle: IdleList<TcpStream>,
 }
 
-/// A new connection to the page server at `addr`.
-fn connect(addr: SocketAddr) -> Result<TcpStream, (ErrorCode, String)> {
+/// A new connection to the page server at `addr`. An attempt that times out (a SYN or its
+/// answer lost, the link down for a moment) or finds no route (the link is down) is made
+/// again while `keep_going` says the pull may go on: TCP itself would retransmit the SYN only
+/// after a second, then three. A refused connection (nothing listens: the worker is gone)
+/// fails at once.
+fn connect(
+    addr: SocketAddr,
+    keep_going: &mut dyn FnMut() -> bool,
+) -> Result<TcpStream, (ErrorCode, String)> {
     let lost = |e: std::io::Error| {
         let reason = format!("connecting to the prefill page server {addr}: {e}");
         (ErrorCode::WorkerLost, reason)
     };
-    let s = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT).map_err(lost)?;
+    let s = loop {
+        match TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT) {
+            Ok(s) => break s,
+            Err(e) if e.kind() == io::ErrorKind::TimedOut && keep_going() => {
+                debug!("connecting to the prefill page server {addr}: {e}; trying again");
+            }
+            // No route for now (the link is down): the same, after a pause.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::NetworkUnreachable | io::ErrorKind::HostUnreachable
+                ) && keep_going() =>
+            {
+                debug!("connecting to the prefill page server {addr}: {e}; trying again");
+                std::thread::sleep(tcp::IO_SLICE);
+            }
+            Err(e) => return Err(lost(e)),
+        }
+    };
     tcp::prepare(&s).map_err(|e| (ErrorCode::Internal, e.to_string()))?;
     Ok(s)
 }
@@ -160,15 +234,17 @@ impl TcpSource {
             token,
             pool_pages,
             page_bytes,
-            idle: Mutex::new(Vec::new()),
+            idle: IdleList::new(),
         }
     }
 
-    fn connection(&self) -> Result<TcpStream, (ErrorCode, String)> {
-        let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        match idle {
+    fn connection(
+        &self,
+        keep_going: &mut dyn FnMut() -> bool,
+    ) -> Result<TcpStream, (ErrorCode, String)> {
+        match self.idle.take(still_open) {
             Some(s) => Ok(s),
-            None => connect(self.addr),
+            None => connect(self.addr, keep_going),
         }
     }
 }
@@ -190,7 +266,7 @@ impl PageSource for TcpSource {
     ) -> Result<(), Option<(ErrorCode, String)>> {
         let page_bytes = u32::try_from(self.page_bytes)
             .map_err(|_| Some((ErrorCode::Internal, "page over 4 GiB".to_owned())))?;
-        let stream = self.connection().map_err(Some)?;
+        let stream = self.connection(&mut || keep_going()).map_err(Some)?;
         let owner = manifest.owner;
         match tcp::fetch_pages(
             &stream,
@@ -202,10 +278,7 @@ impl PageSource for TcpSource {
             &mut || keep_going(),
         ) {
             Ok(()) => {
-                let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-                if idle.len() < IDLE_CONNECTIONS {
-                    idle.push(stream);
-                }
+                self.idle.put(stream);
                 Ok(())
             }
             Err(tcp::TcpError::Stopped) => Err(None),
@@ -227,7 +300,8 @@ impl PageSource for TcpSource {
 
 /// One prefill worker's page server, read with RDMA: each connection carries an RDMA
 /// session (its QP pairs with one of the server's), set up once and reused across requests
-/// (at most [`IDLE_CONNECTIONS`] kept idle, per source). For each request the server answers
+/// (at most [`IDLE_CONNECTIONS`] kept idle, per source, for at most [`IDLE_REUSE_FOR`]). For
+/// each request the server answers
 /// with windows over the manifest's pages; the job reads them straight into its own grant,
 /// says `RdmaReadDone`, and verifies as on any other transport. A connection that saw any
 /// error is dropped, its QP destroyed first. Dropping the source closes its idle sessions.
@@ -238,7 +312,7 @@ pub(crate) struct RdmaSource {
     pool_pages: u32,
     page_bytes: u64,
     node: Arc<RdmaNode>,
-    idle: Mutex<Vec<(TcpStream, ClientSession)>>,
+    idle: IdleList<(TcpStream, ClientSession)>,
 }
 
 type Failure = Option<(ErrorCode, String)>;
@@ -258,7 +332,7 @@ impl RdmaSource {
             pool_pages,
             page_bytes,
             node,
-            idle: Mutex::new(Vec::new()),
+            idle: IdleList::new(),
         }
     }
 
@@ -266,11 +340,10 @@ impl RdmaSource {
         &self,
         keep_going: &mut dyn FnMut() -> bool,
     ) -> Result<(TcpStream, ClientSession), Failure> {
-        let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        if let Some(c) = idle {
+        if let Some(c) = self.idle.take(|(stream, _)| still_open(stream)) {
             return Ok(c);
         }
-        let stream = connect(self.addr).map_err(Some)?;
+        let stream = connect(self.addr, keep_going).map_err(Some)?;
         let internal = |e: libkv::rdma::RdmaError| {
             Some((
                 ErrorCode::Internal,
@@ -378,10 +451,7 @@ impl PageSource for RdmaSource {
         };
         tcp::write_frame(&stream, owner.request, RdmaReadDone { owner }, keep_going)
             .map_err(|e| self.lost(e))?;
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        if idle.len() < IDLE_CONNECTIONS {
-            idle.push((stream, session));
-        }
+        self.idle.put((stream, session));
         Ok(())
     }
 }
@@ -641,4 +711,75 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
     );
     drop(kv);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read as _;
+    use std::net::TcpListener;
+
+    /// A connected pair on loopback: (the client's end, the server's end).
+    fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (server, _) = l.accept().unwrap();
+        (client, server)
+    }
+
+    #[test]
+    fn a_connection_the_server_closed_is_not_reused() {
+        let (client, server) = pair();
+        let idle = IdleList::new();
+        idle.put(client);
+        drop(server);
+        // The end of stream reaches the client's socket at once on loopback; wait for it.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let (probe, _keep) = pair();
+        while Instant::now() < deadline {
+            if let Some(c) = idle.take(still_open) {
+                // Still open: the FIN is not in yet. Put it back and look again.
+                idle.put(c);
+                std::thread::sleep(Duration::from_millis(5));
+            } else {
+                break;
+            }
+        }
+        assert!(
+            idle.take(still_open).is_none(),
+            "a closed connection was handed out"
+        );
+        // An open one is reused, and still usable as a blocking stream afterwards.
+        idle.put(probe);
+        let c = idle.take(still_open).expect("an open connection is reused");
+        assert!(c.set_read_timeout(Some(Duration::from_millis(1))).is_ok());
+        let mut b = [0u8; 1];
+        let r = (&c).read(&mut b);
+        assert!(
+            matches!(&r, Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::TimedOut),
+            "the stream stayed blocking with its timeout: {r:?}"
+        );
+    }
+
+    #[test]
+    fn a_connection_idle_too_long_is_closed_not_reused() {
+        let (client, _server) = pair();
+        let idle = IdleList::new();
+        idle.put(client);
+        std::thread::sleep(IDLE_REUSE_FOR + Duration::from_millis(50));
+        assert!(idle.take(still_open).is_none());
+    }
+
+    #[test]
+    fn at_most_idle_connections_are_kept() {
+        let idle = IdleList::new();
+        for _ in 0..IDLE_CONNECTIONS + 3 {
+            idle.put(pair());
+        }
+        let mut n = 0;
+        while idle.take(|_| true).is_some() {
+            n += 1;
+        }
+        assert_eq!(n, IDLE_CONNECTIONS);
+    }
 }

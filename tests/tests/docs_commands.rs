@@ -134,8 +134,10 @@ fn skipped(line: &str) -> Option<&'static str> {
         "scripts/test" => Some("the whole suite"),
         "scripts/install.sh" | "sudo" => Some("installs into / (tests/install.rs runs it)"),
         f if f.starts_with("tests/vm/") => Some("boots a VM (tests/vm/)"),
-        f if f.starts_with("target/release/kvsoak") => Some("a long run"),
-        f if f.starts_with("KVFENCE_CRASH_ROUNDS") => Some("a long run"),
+        f if f.starts_with("KVFENCE_CRASH_ROUNDS") || f.starts_with("KVFENCE_NETFAULT_ROUNDS") => {
+            Some("a long run")
+        }
+        f if f.starts_with("target/release/kv") => Some("a benchmark or a long run"),
         _ => None,
     }
 }
