@@ -15,7 +15,8 @@
 #   --no-setup  do not run tests/vm/setup.sh --rxe (the cache must be ready)
 # Env: KVFENCE_VM_CACHE (default ~/.cache/kvfence-vm), KVFENCE_VM_TIMEOUT (whole VM, s, 300),
 #      KVFENCE_VM_MEM (MiB, 1024), KVFENCE_VM_CPUS (2), KVFENCE_VM_ACCEL (tcg | kvm: only where
-#      /dev/kvm is real VMX/SVM), KVFENCE_VM_KEEP=1 (keep the results directory on success).
+#      /dev/kvm is real VMX/SVM), KVFENCE_VM_KEEP=1 (keep the results directory on success),
+#      KVFENCE_NETFAULT_ROUNDS (rounds of the network fault campaign, 1).
 # Exit: 0 pass, 1 fail, 77 cannot run here (not x86_64, not root, no qemu and cannot install).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -70,6 +71,9 @@ out=$(mktemp -d -t kvfence-rxe.XXXXXX)
   echo "$stack rdma"
   echo "$netfaults"
 } > "$out/test-binaries"
+# the guest starts with an empty environment: the rounds of the network fault campaign go in
+# a file (KVFENCE_NETFAULT_ROUNDS: the long run in the README)
+[ -n "${KVFENCE_NETFAULT_ROUNDS:-}" ] && echo "$KVFENCE_NETFAULT_ROUNDS" > "$out/netfault-rounds"
 cp "$here/rxe-guest.sh" "$out/rxe-guest.sh"
 rxe_boot "$out" rxe-guest.sh "${KVFENCE_VM_TIMEOUT:-300}" || exit 1
 rc=$guest_rc
