@@ -14,6 +14,7 @@ use std::process::ExitCode;
 #[derive(Parser, Debug)]
 #[command(
     name = "kvctld",
+    version,
     about = "kvfence control daemon: admission and bootstrap over a Unix socket"
 )]
 struct Args {

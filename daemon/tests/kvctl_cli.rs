@@ -356,3 +356,24 @@ fn a_closed_stdout_is_not_a_panic() {
         assert!(stderr.is_empty(), "{args:?}: {stderr}");
     }
 }
+
+#[test]
+fn kvctl_and_kvctld_say_their_version() {
+    for (name, bin) in [
+        ("kvctl", env!("CARGO_BIN_EXE_kvctl")),
+        ("kvctld", env!("CARGO_BIN_EXE_kvctld")),
+    ] {
+        let out = Command::new(bin)
+            .arg("--version")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{name} --version: {out:?}");
+        assert_eq!(
+            stdout.trim(),
+            format!("{name} {}", env!("CARGO_PKG_VERSION")),
+            "{name} --version"
+        );
+    }
+}
