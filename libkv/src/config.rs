@@ -220,6 +220,9 @@ pub enum ConfigError {
     )]
     BadListen { addr: String },
 
+    #[error("metrics.listen {addr:?} is not IP:PORT (e.g. \"127.0.0.1:9470\")")]
+    BadMetricsListen { addr: String },
+
     #[error(
         "rdma.device is empty; name the RDMA device (as `ibv_devices` lists it, e.g. \"mlx5_0\")"
     )]
@@ -256,6 +259,9 @@ pub struct Config {
     /// The RDMA device, when RDMA is wanted; without it the workers use shm or TCP only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rdma: Option<RdmaConfig>,
+    /// kvctld's Prometheus endpoint; off unless `listen` is set.
+    #[serde(default)]
+    pub metrics: Metrics,
 }
 
 /// Request size limits, in tokens. Both are required: there is no safe default.
@@ -623,6 +629,29 @@ impl RdmaConfig {
     }
 }
 
+/// The optional `[metrics]` section: where kvctld answers `GET /metrics` (Prometheus text
+/// exposition) with its own counters and every worker's pool, by worker. Off by default.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Metrics {
+    /// `IP:PORT` of the HTTP listener (loopback unless Prometheus scrapes from elsewhere).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub listen: Option<String>,
+}
+
+impl Metrics {
+    /// The address to listen on, or `None` when metrics are off.
+    pub fn listen_addr(&self) -> Result<Option<SocketAddr>, ConfigError> {
+        match &self.listen {
+            None => Ok(None),
+            Some(text) => match text.parse::<SocketAddr>() {
+                Ok(addr) if !addr.ip().is_multicast() => Ok(Some(addr)),
+                _ => Err(ConfigError::BadMetricsListen { addr: text.clone() }),
+            },
+        }
+    }
+}
+
 /// Periodic health probe.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -709,6 +738,7 @@ impl Config {
             probe: Probe::default(),
             transfer: Transfer::default(),
             rdma: None,
+            metrics: Metrics::default(),
         }
     }
 
@@ -764,6 +794,7 @@ impl Config {
         if self.transfer.transport == TransportKind::Rdma && self.rdma.is_none() {
             return Err(ConfigError::RdmaSectionMissing);
         }
+        self.metrics.listen_addr()?;
         self.transfer.listen_addr().map(drop)
     }
 
