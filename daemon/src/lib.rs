@@ -2,5 +2,6 @@
 
 pub mod client;
 pub mod ctl;
+pub mod metrics;
 pub mod probe;
 pub mod stack;

@@ -110,6 +110,8 @@ pub struct EventLoop {
     accept_retry_at: Option<Instant>,
     next_idle_check: Instant,
     conn_counters: ConnCounters,
+    /// Where the status goes for `/metrics`, when it is on, and when it goes next.
+    metrics: Option<(crate::metrics::Snapshot, Instant)>,
 }
 
 /// What the loop counts about connections, shown by status.
@@ -154,6 +156,7 @@ impl EventLoop {
         mut listener: UnixListener,
         core: Core,
         probe: Arc<ProbeCounters>,
+        metrics: Option<crate::metrics::Snapshot>,
     ) -> io::Result<EventLoop> {
         let poll = Poll::new()?;
         poll.registry()
@@ -172,6 +175,7 @@ impl EventLoop {
             accept_retry_at: None,
             next_idle_check: Instant::now() + IDLE_CHECK,
             conn_counters: ConnCounters::default(),
+            metrics: metrics.map(|m| (m, Instant::now())),
         })
     }
 
@@ -190,6 +194,7 @@ impl EventLoop {
                 self.core.next_deadline(),
                 self.accept_retry_at,
                 Some(self.next_idle_check),
+                self.metrics.as_ref().map(|(_, at)| *at),
             ]
             .into_iter()
             .flatten()
@@ -234,12 +239,26 @@ impl EventLoop {
             }
             self.core.tick(now);
             self.apply();
+            self.publish_metrics(now);
             if self.core.shutdown_due(Instant::now()) {
                 self.apply();
                 self.flush_all();
                 info!("kvctld stopped");
                 return Ok(());
             }
+        }
+    }
+
+    /// Hands the status to the `/metrics` thread, every [`crate::metrics::REFRESH`].
+    fn publish_metrics(&mut self, now: Instant) {
+        let due = matches!(&self.metrics, Some((_, at)) if now >= *at);
+        if !due {
+            return;
+        }
+        let status = self.core.status(&self.loop_counters());
+        if let Some((snapshot, at)) = &mut self.metrics {
+            snapshot.publish(status);
+            *at = now + crate::metrics::REFRESH;
         }
     }
 

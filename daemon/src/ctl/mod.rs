@@ -83,6 +83,11 @@ pub enum CtlError {
     Probe { path: PathBuf, source: io::Error },
     #[error("setting up the event loop")]
     Poll(#[source] io::Error),
+    #[error("serving metrics on {addr} (metrics.listen)")]
+    Metrics {
+        addr: std::net::SocketAddr,
+        source: io::Error,
+    },
 }
 
 /// Runs kvctld until SIGTERM or SIGINT, then drains.
@@ -127,9 +132,20 @@ pub fn run(cfg: Config) -> Result<(), CtlError> {
     if let Some(every) = cfg.probe.interval() {
         start_probe(&cfg, every, Arc::clone(&probe));
     }
+    let metrics = match cfg.metrics.listen_addr() {
+        Ok(Some(addr)) => {
+            let snapshot = crate::metrics::Snapshot::default();
+            crate::metrics::serve(addr, snapshot.clone())
+                .map_err(|source| CtlError::Metrics { addr, source })?;
+            Some(snapshot)
+        }
+        // Validated at load.
+        Ok(None) | Err(_) => None,
+    };
     let socket = cfg.control.socket.clone();
     let core = Core::new(core_cfg, generation);
-    let mut event_loop = EventLoop::new(cfg, listener, core, probe).map_err(CtlError::Poll)?;
+    let mut event_loop =
+        EventLoop::new(cfg, listener, core, probe, metrics).map_err(CtlError::Poll)?;
     let served = event_loop.serve().map_err(CtlError::Poll);
     if let Some(identity) = bound {
         identity.remove_if_mine(&socket);

@@ -1,0 +1,605 @@
+//! kvctld's Prometheus endpoint: `GET /metrics` answers in the text exposition format with
+//! kvctld's counters and every worker's pool, labelled by `worker` and `role`.
+//!
+//! The event loop publishes a [`Snapshot`] of its status every [`REFRESH`]; the HTTP thread
+//! renders the latest one when scraped, so a request pays nothing for metrics and a scrape
+//! never waits on the loop. Every metric is defined once, in [`render`]: its name (units in
+//! the name), kind and help.
+//!
+//! Per worker, the pool's capacity in pages (`kvfence_worker_pool_pages`) and in tokens
+//! (`kvfence_worker_pool_tokens`) stand beside the context one request may need of that pool
+//! (`kvfence_worker_request_context_tokens`: `max_context`, plus `max_new_tokens` on decode),
+//! so "a pool below the context" is one expression:
+//! `kvfence_worker_pool_tokens < kvfence_worker_request_context_tokens`.
+
+use libkv::proto::{Role, StatusReply, WorkerStatus};
+use log::{info, warn};
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::info::Info;
+use prometheus_client::registry::Registry;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// How often the event loop publishes its status for scrapes.
+pub const REFRESH: Duration = Duration::from_millis(100);
+
+/// The latest status the event loop published, shared with the HTTP thread.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot(Arc<Mutex<Option<StatusReply>>>);
+
+impl Snapshot {
+    pub fn publish(&self, status: StatusReply) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(status);
+    }
+
+    fn latest(&self) -> Option<StatusReply> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// Starts the HTTP listener on `addr` on a thread of its own; returns the address bound
+/// (port 0 picks a free port).
+pub fn serve(addr: SocketAddr, snapshot: Snapshot) -> io::Result<SocketAddr> {
+    let server = tiny_http::Server::http(addr).map_err(io::Error::other)?;
+    let bound = server
+        .server_addr()
+        .to_ip()
+        .ok_or_else(|| io::Error::other("the metrics listener has no IP address"))?;
+    std::thread::Builder::new()
+        .name("metrics".into())
+        .spawn(move || {
+            for request in server.incoming_requests() {
+                let response = answer(request.method(), request.url(), &snapshot);
+                if let Err(e) = request.respond(response) {
+                    warn!("metrics: answering a scrape: {e}");
+                }
+            }
+        })?;
+    info!("metrics on http://{bound}/metrics");
+    Ok(bound)
+}
+
+fn answer(
+    method: &tiny_http::Method,
+    url: &str,
+    snapshot: &Snapshot,
+) -> tiny_http::Response<io::Cursor<Vec<u8>>> {
+    let text = |code: u16, body: String, kind: &str| {
+        let header = tiny_http::Header::from_bytes("Content-Type", kind).expect("static header");
+        tiny_http::Response::from_string(body)
+            .with_status_code(code)
+            .with_header(header)
+    };
+    let path = url.split('?').next().unwrap_or("");
+    match (method, path) {
+        (tiny_http::Method::Get, "/metrics") => match snapshot.latest() {
+            Some(status) => text(
+                200,
+                render(&status),
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            ),
+            None => text(503, "kvctld is starting\n".into(), "text/plain"),
+        },
+        (tiny_http::Method::Get, _) => text(404, "only /metrics is here\n".into(), "text/plain"),
+        _ => text(405, "GET /metrics only\n".into(), "text/plain"),
+    }
+}
+
+type Labels = Vec<(String, String)>;
+
+fn worker_labels(w: &WorkerStatus) -> Labels {
+    let role = match w.role {
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+        Role::Client => "client",
+    };
+    vec![
+        ("worker".to_owned(), w.id.clone()),
+        ("role".to_owned(), role.to_owned()),
+    ]
+}
+
+fn gauge_family(registry: &mut Registry, name: &str, help: &str) -> Family<Labels, Gauge> {
+    let f = Family::<Labels, Gauge>::default();
+    registry.register(name, help, f.clone());
+    f
+}
+
+fn counter_family(registry: &mut Registry, name: &str, help: &str) -> Family<Labels, Counter> {
+    let f = Family::<Labels, Counter>::default();
+    registry.register(name, help, f.clone());
+    f
+}
+
+fn gauge(registry: &mut Registry, name: &str, help: &str, value: u64) {
+    let g = Gauge::<i64>::default();
+    g.set(i64::try_from(value).unwrap_or(i64::MAX));
+    registry.register(name, help, g);
+}
+
+fn set(g: &Gauge, value: u64) {
+    g.set(i64::try_from(value).unwrap_or(i64::MAX));
+}
+
+/// One of kvctld's counters as a metric: status name, metric name (without `_total`), help,
+/// and the label it carries, if one.
+type CounterDef = (
+    &'static str,
+    &'static str,
+    &'static str,
+    Option<(&'static str, &'static str)>,
+);
+
+/// kvctld's own counters as metrics.
+const COUNTERS: &[CounterDef] = &[
+    (
+        "submitted",
+        "kvfence_requests_submitted",
+        "Requests submitted by clients",
+        None,
+    ),
+    (
+        "admitted",
+        "kvfence_requests_admitted",
+        "Requests admitted (both pools reserved)",
+        None,
+    ),
+    (
+        "queued",
+        "kvfence_requests_queued",
+        "Requests that waited for room before admission",
+        None,
+    ),
+    (
+        "completed",
+        "kvfence_requests",
+        "Requests ended, by outcome",
+        Some(("outcome", "completed")),
+    ),
+    (
+        "failed",
+        "kvfence_requests",
+        "Requests ended, by outcome",
+        Some(("outcome", "failed")),
+    ),
+    (
+        "rejected",
+        "kvfence_requests",
+        "Requests ended, by outcome",
+        Some(("outcome", "rejected")),
+    ),
+    (
+        "refused_full",
+        "kvfence_requests",
+        "Requests ended, by outcome",
+        Some(("outcome", "pool_full")),
+    ),
+    (
+        "client_gone",
+        "kvfence_requests",
+        "Requests ended, by outcome",
+        Some(("outcome", "client_gone")),
+    ),
+    (
+        "timeouts",
+        "kvfence_request_failures",
+        "Failed requests, by reason",
+        Some(("reason", "timeout")),
+    ),
+    (
+        "worker_lost",
+        "kvfence_request_failures",
+        "Failed requests, by reason",
+        Some(("reason", "worker_lost")),
+    ),
+    (
+        "verify_failed",
+        "kvfence_request_failures",
+        "Failed requests, by reason",
+        Some(("reason", "verify_failed")),
+    ),
+    (
+        "bootstraps",
+        "kvfence_bootstraps",
+        "Decode reservations confirmed (bootstrap round trips)",
+        None,
+    ),
+    (
+        "transfers",
+        "kvfence_transfers",
+        "Page transfers (pulls) completed",
+        None,
+    ),
+    (
+        "pages_transferred",
+        "kvfence_transferred_pages",
+        "Pages moved from prefill to decode",
+        None,
+    ),
+    (
+        "bytes_transferred",
+        "kvfence_transferred_bytes",
+        "Bytes moved from prefill to decode",
+        None,
+    ),
+    (
+        "protocol_errors",
+        "kvfence_protocol_errors",
+        "Frames refused as invalid or out of role",
+        None,
+    ),
+    (
+        "workers_registered",
+        "kvfence_worker_registrations",
+        "Worker registrations accepted",
+        None,
+    ),
+    (
+        "registrations_refused",
+        "kvfence_worker_registrations_refused",
+        "Worker registrations refused (geometry, pool too small, duplicate id)",
+        None,
+    ),
+    (
+        "workers_lost",
+        "kvfence_workers_lost",
+        "Worker connections lost",
+        None,
+    ),
+    (
+        "probe_runs",
+        "kvfence_probe_runs",
+        "Coherence probe runs",
+        None,
+    ),
+    (
+        "probe_mismatches",
+        "kvfence_probe_mismatches",
+        "Coherence probe outputs that differed from the monolithic path",
+        None,
+    ),
+    (
+        "probe_errors",
+        "kvfence_probe_errors",
+        "Coherence probe canaries that failed to run",
+        None,
+    ),
+    (
+        "unauthorized",
+        "kvfence_unauthorized",
+        "Peers refused for their uid",
+        None,
+    ),
+    (
+        "connections_refused_uid_limit",
+        "kvfence_connections_refused",
+        "Connections turned away at accept, by reason",
+        Some(("reason", "uid_limit")),
+    ),
+    (
+        "connections_refused_full",
+        "kvfence_connections_refused",
+        "Connections turned away at accept, by reason",
+        Some(("reason", "full")),
+    ),
+    (
+        "connections_refused_no_fds",
+        "kvfence_connections_refused",
+        "Connections turned away at accept, by reason",
+        Some(("reason", "no_fds")),
+    ),
+    (
+        "connections_closed_idle",
+        "kvfence_connections_closed_idle",
+        "Client connections closed for being idle",
+        None,
+    ),
+];
+
+/// kvctld's gauges: status name, metric name, help.
+const GAUGES: &[(&str, &str, &str)] = &[
+    (
+        "in_flight",
+        "kvfence_requests_in_flight",
+        "Requests admitted and not yet ended",
+    ),
+    (
+        "queue_len",
+        "kvfence_admission_queue_length",
+        "Requests waiting for room",
+    ),
+    (
+        "connections",
+        "kvfence_connections",
+        "Connections open to kvctld",
+    ),
+];
+
+/// The exposition of `status`.
+pub fn render(status: &StatusReply) -> String {
+    let mut registry = Registry::default();
+    registry.register(
+        "kvfence_build",
+        "The kvfence build serving",
+        Info::new(vec![("version", env!("CARGO_PKG_VERSION"))]),
+    );
+    let value = |name: &str| {
+        status
+            .counters
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| *v)
+    };
+
+    let mut counter_families: Vec<(&str, Family<Labels, Counter>)> = Vec::new();
+    for (status_name, metric, help, label) in COUNTERS {
+        let Some(v) = value(status_name) else {
+            continue;
+        };
+        let Some((key, label_value)) = label else {
+            let c = Counter::<u64>::default();
+            c.inc_by(v);
+            registry.register(*metric, *help, c);
+            continue;
+        };
+        let family = match counter_families.iter().find(|(m, _)| m == metric) {
+            Some((_, f)) => f.clone(),
+            None => {
+                let f = counter_family(&mut registry, metric, help);
+                counter_families.push((metric, f.clone()));
+                f
+            }
+        };
+        let labels: Labels = vec![((*key).to_owned(), (*label_value).to_owned())];
+        family.get_or_create(&labels).inc_by(v);
+    }
+    for (status_name, metric, help) in GAUGES {
+        if let Some(v) = value(status_name) {
+            gauge(&mut registry, metric, help, v);
+        }
+    }
+    gauge(
+        &mut registry,
+        "kvfence_max_context_tokens",
+        "Longest prompt admitted, in tokens (limits.max_context)",
+        u64::from(status.max_context),
+    );
+    gauge(
+        &mut registry,
+        "kvfence_max_new_tokens",
+        "Most tokens one request may generate (limits.max_new_tokens)",
+        u64::from(status.max_new_tokens),
+    );
+
+    let up = gauge_family(
+        &mut registry,
+        "kvfence_worker_up",
+        "1 while the worker is registered and connected, 0 once lost",
+    );
+    let draining = gauge_family(
+        &mut registry,
+        "kvfence_worker_draining",
+        "1 while an operator or SIGTERM drains the worker",
+    );
+    let pool_pages = gauge_family(
+        &mut registry,
+        "kvfence_worker_pool_pages",
+        "Pages of the worker's pool",
+    );
+    let pool_tokens = gauge_family(
+        &mut registry,
+        "kvfence_worker_pool_tokens",
+        "Tokens the worker's pool holds (pages x tokens per page)",
+    );
+    let context = gauge_family(
+        &mut registry,
+        "kvfence_worker_request_context_tokens",
+        "Tokens one request of the largest size needs of this pool: max_context on prefill, \
+         max_context + max_new_tokens on decode",
+    );
+    let pages = gauge_family(
+        &mut registry,
+        "kvfence_worker_pages",
+        "Pages of the worker's pool by state, as the worker last reported them",
+    );
+    let lent = gauge_family(
+        &mut registry,
+        "kvfence_worker_lent_pages",
+        "Pages kvctld's ledger has lent to requests on the worker",
+    );
+    let in_flight = gauge_family(
+        &mut registry,
+        "kvfence_worker_requests_in_flight",
+        "Requests on the worker now",
+    );
+    let served = counter_family(
+        &mut registry,
+        "kvfence_worker_requests_served",
+        "Requests the worker took part in that ended (since it registered)",
+    );
+    let events = counter_family(
+        &mut registry,
+        "kvfence_worker_events",
+        "The worker's own counters, by name (prefill_runs, pages_served, pulls, \
+         verify_failed, windows_bound, ...), as it last reported them",
+    );
+    for w in &status.workers {
+        let labels = worker_labels(w);
+        set(&up.get_or_create(&labels), u64::from(w.connected));
+        set(&draining.get_or_create(&labels), u64::from(w.drain));
+        if !w.connected {
+            continue;
+        }
+        set(&pool_pages.get_or_create(&labels), u64::from(w.pool_pages));
+        set(
+            &pool_tokens.get_or_create(&labels),
+            u64::from(w.pool_pages) * u64::from(w.tokens_per_page),
+        );
+        let need = match w.role {
+            Role::Decode => u64::from(status.max_context) + u64::from(status.max_new_tokens),
+            _ => u64::from(status.max_context),
+        };
+        set(&context.get_or_create(&labels), need);
+        for (state, n) in [
+            ("free", w.free),
+            ("reserved", w.reserved),
+            ("writing", w.writing),
+            ("readable", w.readable),
+            ("draining", w.draining),
+        ] {
+            let mut l = labels.clone();
+            l.push(("state".to_owned(), state.to_owned()));
+            set(&pages.get_or_create(&l), u64::from(n));
+        }
+        set(&lent.get_or_create(&labels), u64::from(w.held_pages));
+        set(&in_flight.get_or_create(&labels), u64::from(w.in_flight));
+        served.get_or_create(&labels).inc_by(w.served);
+        for (name, v) in &w.counters {
+            let mut l = labels.clone();
+            l.push(("counter".to_owned(), name.clone()));
+            events.get_or_create(&l).inc_by(*v);
+        }
+    }
+    let mut out = String::new();
+    if let Err(e) = encode(&mut out, &registry) {
+        warn!("metrics: encoding: {e}");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use libkv::Generation;
+    use libkv::proto::Transport;
+
+    fn worker(id: &str, role: Role, pool_pages: u32, connected: bool) -> WorkerStatus {
+        WorkerStatus {
+            id: id.into(),
+            role,
+            connected,
+            drain: false,
+            in_flight: 1,
+            held_pages: 3,
+            transports: vec![Transport::Shm],
+            served: 9,
+            counters: vec![("pulls".into(), 5)],
+            pool_pages,
+            tokens_per_page: 16,
+            free: pool_pages - 3,
+            reserved: 1,
+            writing: 0,
+            readable: 2,
+            draining: 0,
+        }
+    }
+
+    fn status() -> StatusReply {
+        StatusReply {
+            generation: Generation(7),
+            max_context: 4096,
+            max_new_tokens: 64,
+            workers: vec![
+                worker("prefill-0", Role::Prefill, 256, true),
+                worker("decode-0", Role::Decode, 260, true),
+                worker("decode-1", Role::Decode, 0, false),
+            ],
+            counters: vec![
+                ("submitted".into(), 12),
+                ("completed".into(), 10),
+                ("rejected".into(), 2),
+                ("timeouts".into(), 0),
+                ("in_flight".into(), 1),
+                ("probe_mismatches".into(), 0),
+            ],
+            transport: Some(Transport::Shm),
+        }
+    }
+
+    /// The value of the sample `name{labels}` (labels as exposed, in order).
+    fn sample(text: &str, series: &str) -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[test]
+    fn status_becomes_labelled_series() {
+        let text = render(&status());
+        let get = |s: &str| sample(&text, s).unwrap_or_else(|| panic!("no {s} in:\n{text}"));
+        assert_eq!(get("kvfence_requests_submitted_total"), 12.0);
+        assert_eq!(get(r#"kvfence_requests_total{outcome="completed"}"#), 10.0);
+        assert_eq!(get(r#"kvfence_requests_total{outcome="rejected"}"#), 2.0);
+        assert_eq!(
+            get(r#"kvfence_request_failures_total{reason="timeout"}"#),
+            0.0
+        );
+        assert_eq!(get("kvfence_requests_in_flight"), 1.0);
+        assert_eq!(get("kvfence_max_context_tokens"), 4096.0);
+        let p = r#"worker="prefill-0",role="prefill""#;
+        let d = r#"worker="decode-0",role="decode""#;
+        assert_eq!(get(&format!("kvfence_worker_pool_pages{{{p}}}")), 256.0);
+        assert_eq!(get(&format!("kvfence_worker_pool_tokens{{{p}}}")), 4096.0);
+        assert_eq!(
+            get(&format!("kvfence_worker_request_context_tokens{{{p}}}")),
+            4096.0
+        );
+        assert_eq!(
+            get(&format!("kvfence_worker_request_context_tokens{{{d}}}")),
+            4160.0,
+            "decode needs max_context + max_new_tokens"
+        );
+        assert_eq!(get(&format!("kvfence_worker_pool_tokens{{{d}}}")), 4160.0);
+        assert_eq!(
+            get(&format!(r#"kvfence_worker_pages{{{p},state="readable"}}"#)),
+            2.0
+        );
+        assert_eq!(get(&format!("kvfence_worker_up{{{p}}}")), 1.0);
+        assert_eq!(
+            get(r#"kvfence_worker_up{worker="decode-1",role="decode"}"#),
+            0.0
+        );
+        assert!(
+            !text.contains(r#"kvfence_worker_pool_pages{worker="decode-1""#),
+            "a lost worker has no pool"
+        );
+        assert_eq!(
+            get(&format!(
+                r#"kvfence_worker_events_total{{{d},counter="pulls"}}"#
+            )),
+            5.0
+        );
+        assert!(text.contains(r#"kvfence_build_info{version=""#), "{text}");
+        assert!(text.contains("# TYPE kvfence_requests counter"), "{text}");
+        assert!(text.trim_end().ends_with("# EOF"), "{text}");
+    }
+
+    #[test]
+    fn the_endpoint_answers_metrics_only_and_waits_for_a_first_status() {
+        let snapshot = Snapshot::default();
+        let addr = serve("127.0.0.1:0".parse().unwrap(), snapshot.clone()).unwrap();
+        let get = |path: &str| -> (u16, String) {
+            use std::io::{Read, Write};
+            let mut s = std::net::TcpStream::connect(addr).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+            let mut body = String::new();
+            s.read_to_string(&mut body).unwrap();
+            let code = body[9..12].parse().unwrap();
+            (code, body)
+        };
+        assert_eq!(get("/metrics").0, 503, "no status published yet");
+        snapshot.publish(status());
+        let (code, body) = get("/metrics");
+        assert_eq!(code, 200);
+        assert!(
+            body.contains("kvfence_requests_submitted_total 12"),
+            "{body}"
+        );
+        assert_eq!(get("/other").0, 404);
+    }
+}
