@@ -1,0 +1,170 @@
+//! kvctld's `/metrics` endpoint on a running stack of 2 prefill + 2 decode workers: after
+//! a known load (requests that succeed, one that is rejected), a scrape says the same
+//! counts, every worker is up with its pool in pages and tokens beside the context one
+//! request needs of it, and a lost worker shows as down.
+//!
+//! Build the binaries first (`cargo build --release --bins`). Bounded in time.
+
+use kvctld::stack::{error_chain, wait_until};
+use kvfence_tests::{assert_matches, expected, model, prompt, start_stack};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+/// The `http://ADDR/metrics` address kvctld logged (it binds port 0).
+fn metrics_addr(log: &str) -> Option<String> {
+    let rest = log.split("metrics on http://").nth(1)?;
+    Some(rest.split('/').next()?.to_owned())
+}
+
+/// One scrape: the body of `GET /metrics`.
+fn scrape(addr: &str) -> Option<String> {
+    let mut s = TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(s, "GET /metrics HTTP/1.0\r\nHost: kvctld\r\n\r\n").ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    head.starts_with("HTTP/1.0 200")
+        .then(|| body.to_owned())
+        .or_else(|| head.starts_with("HTTP/1.1 200").then(|| body.to_owned()))
+}
+
+/// The value of the series `series` (name and labels exactly as exposed).
+fn value(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+#[test]
+fn a_scrape_says_what_the_stack_did() {
+    let mut running = start_stack("kvmet.", 2, 2, |c| {
+        c.metrics.listen = Some("127.0.0.1:0".into());
+    });
+    let stack = &mut running.stack;
+    let addr = wait_until(Duration::from_secs(10), || {
+        metrics_addr(&stack.log("kvctld"))
+    })
+    .unwrap_or_else(|| panic!("kvctld logged no metrics address:\n{}", stack.log("kvctld")));
+
+    let model = model(stack);
+    let served = 20usize;
+    for i in 0..served {
+        let tenant = ["acme", "globex"][i % 2];
+        let p = prompt(tenant, i, 30 + i * 37);
+        let out = stack
+            .client()
+            .and_then(|mut c| c.generate(tenant, &p, 5, 10_000, |_| {}))
+            .unwrap_or_else(|e| panic!("request {i}: {}", error_chain(&e)));
+        assert_matches(&out, &expected(&model, &p, 5), &format!("request {i}"));
+    }
+    let cfg = stack.config().clone();
+    let too_long = vec![b'x'; cfg.limits.max_context as usize + 1];
+    assert!(
+        stack
+            .client()
+            .and_then(|mut c| c.generate("acme", &too_long, 1, 10_000, |_| {}))
+            .is_err(),
+        "an over-long prompt was served"
+    );
+
+    // The loop publishes its status every 100 ms: wait for the counts, never read once.
+    let tpp = u64::from(cfg.geometry.tokens_per_page);
+    let want = |text: &str| -> Result<(), String> {
+        let get = |s: &str| value(text, s).ok_or_else(|| format!("no {s}"));
+        let check = |s: &str, v: f64| -> Result<(), String> {
+            let got = get(s)?;
+            if (got - v).abs() < 0.5 {
+                Ok(())
+            } else {
+                Err(format!("{s} is {got}, want {v}"))
+            }
+        };
+        check(
+            r#"kvfence_requests_total{outcome="completed"}"#,
+            served as f64,
+        )?;
+        check(r#"kvfence_requests_total{outcome="rejected"}"#, 1.0)?;
+        check("kvfence_requests_submitted_total", served as f64 + 1.0)?;
+        check("kvfence_requests_in_flight", 0.0)?;
+        let mut prefill_served = 0.0;
+        for (id, role, pool, need) in [
+            (
+                "prefill-0",
+                "prefill",
+                cfg.prefill.pool_pages,
+                cfg.limits.max_context,
+            ),
+            (
+                "prefill-1",
+                "prefill",
+                cfg.prefill.pool_pages,
+                cfg.limits.max_context,
+            ),
+            (
+                "decode-0",
+                "decode",
+                cfg.decode.pool_pages,
+                cfg.limits.max_context + cfg.limits.max_new_tokens,
+            ),
+            (
+                "decode-1",
+                "decode",
+                cfg.decode.pool_pages,
+                cfg.limits.max_context + cfg.limits.max_new_tokens,
+            ),
+        ] {
+            let l = format!(r#"worker="{id}",role="{role}""#);
+            check(&format!("kvfence_worker_up{{{l}}}"), 1.0)?;
+            check(
+                &format!("kvfence_worker_pool_pages{{{l}}}"),
+                f64::from(pool),
+            )?;
+            check(
+                &format!("kvfence_worker_pool_tokens{{{l}}}"),
+                (u64::from(pool) * tpp) as f64,
+            )?;
+            check(
+                &format!("kvfence_worker_request_context_tokens{{{l}}}"),
+                f64::from(need),
+            )?;
+            check(
+                &format!(r#"kvfence_worker_pages{{{l},state="free"}}"#),
+                f64::from(pool),
+            )?;
+            if role == "prefill" {
+                prefill_served += get(&format!("kvfence_worker_requests_served_total{{{l}}}"))?;
+            }
+        }
+        if (prefill_served - served as f64).abs() > 0.5 {
+            return Err(format!(
+                "prefill workers served {prefill_served}, want {served}"
+            ));
+        }
+        Ok(())
+    };
+    let mut last = String::new();
+    let ok = wait_until(Duration::from_secs(10), || {
+        let text = scrape(&addr)?;
+        match want(&text) {
+            Ok(()) => Some(()),
+            Err(e) => {
+                last = format!("{e}\n{text}");
+                None
+            }
+        }
+    });
+    assert!(ok.is_some(), "the scrape never matched the load: {last}");
+
+    // A worker killed shows as down.
+    stack.kill("decode-1").expect("kill decode-1");
+    let down = wait_until(Duration::from_secs(10), || {
+        let text = scrape(&addr)?;
+        (value(
+            &text,
+            r#"kvfence_worker_up{worker="decode-1",role="decode"}"#,
+        ) == Some(0.0))
+        .then_some(())
+    });
+    assert!(down.is_some(), "decode-1 killed but not down in /metrics");
+}
