@@ -578,6 +578,68 @@ mod tests {
         assert!(text.trim_end().ends_with("# EOF"), "{text}");
     }
 
+    /// Every series name the endpoint exports for a status that has every counter kvctld
+    /// reports and a connected worker of each role.
+    fn exported_names() -> std::collections::BTreeSet<String> {
+        let mut st = status();
+        st.counters = COUNTERS
+            .iter()
+            .map(|(n, ..)| ((*n).to_owned(), 1))
+            .chain(GAUGES.iter().map(|(n, ..)| ((*n).to_owned(), 1)))
+            .collect();
+        render(&st)
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .map(|l| l.split(['{', ' ']).next().unwrap_or("").to_owned())
+            .collect()
+    }
+
+    /// The `kvfence_...` identifiers in `text`.
+    fn metric_names(text: &str) -> Vec<String> {
+        let mut names = Vec::new();
+        let mut rest = text;
+        while let Some(i) = rest.find("kvfence_") {
+            let tail = &rest[i..];
+            let end = tail
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .unwrap_or(tail.len());
+            names.push(tail[..end].to_owned());
+            rest = &tail[end..];
+        }
+        names
+    }
+
+    #[test]
+    fn the_dashboard_and_the_alerts_use_only_metrics_kvctld_exports() {
+        let exported = exported_names();
+        let dashboard: serde_json::Value =
+            serde_json::from_str(include_str!("../../monitoring/kvfence-dashboard.json"))
+                .expect("the dashboard is JSON");
+        let mut exprs = Vec::new();
+        for panel in dashboard["panels"].as_array().expect("panels") {
+            for target in panel["targets"].as_array().expect("targets") {
+                exprs.push(target["expr"].as_str().expect("expr").to_owned());
+            }
+        }
+        assert!(exprs.len() >= 10, "{exprs:?}");
+        let rules = include_str!("../../monitoring/kvfence.rules.yml");
+        let mut used = 0;
+        for (source, text) in exprs
+            .iter()
+            .map(|e| ("the dashboard", e.as_str()))
+            .chain([("the alert rules", rules)])
+        {
+            for name in metric_names(text) {
+                used += 1;
+                assert!(
+                    exported.contains(&name),
+                    "{source} uses {name}, which kvctld does not export; it exports {exported:?}"
+                );
+            }
+        }
+        assert!(used > 20, "only {used} metric names found");
+    }
+
     #[test]
     fn the_endpoint_answers_metrics_only_and_waits_for_a_first_status() {
         let snapshot = Snapshot::default();
