@@ -12,13 +12,17 @@
 //! so "a pool below the context" is one expression:
 //! `kvfence_worker_pool_tokens < kvfence_worker_request_context_tokens`.
 
+use crate::ctl::core::Stage;
+use crate::ctl::latency::{BUCKETS_S, Histogram, Latencies};
 use libkv::proto::{Role, StatusReply, WorkerStatus};
 use log::{info, warn};
 use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::info::Info;
+use prometheus_client::metrics::{MetricType, TypedMetric};
 use prometheus_client::registry::Registry;
 use std::io;
 use std::net::SocketAddr;
@@ -28,17 +32,51 @@ use std::time::Duration;
 /// How often the event loop publishes its status for scrapes.
 pub const REFRESH: Duration = Duration::from_millis(100);
 
-/// The latest status the event loop published, shared with the HTTP thread.
+/// The latest status and latency histograms the event loop published, shared with the
+/// HTTP thread.
 #[derive(Debug, Clone, Default)]
-pub struct Snapshot(Arc<Mutex<Option<StatusReply>>>);
+pub struct Snapshot(Arc<Mutex<Option<(StatusReply, Latencies)>>>);
 
 impl Snapshot {
-    pub fn publish(&self, status: StatusReply) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(status);
+    pub fn publish(&self, status: StatusReply, latencies: Latencies) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some((status, latencies));
     }
 
-    fn latest(&self) -> Option<StatusReply> {
+    fn latest(&self) -> Option<(StatusReply, Latencies)> {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// A histogram the core filled, exported as it is (prometheus-client's own histogram is
+/// observed into, not set).
+#[derive(Debug, Clone, Default)]
+struct Fixed(Arc<Mutex<Histogram>>);
+
+impl Fixed {
+    fn set(&self, h: &Histogram) {
+        h.clone_into(&mut self.0.lock().unwrap_or_else(|e| e.into_inner()));
+    }
+}
+
+impl TypedMetric for Fixed {
+    const TYPE: MetricType = MetricType::Histogram;
+}
+
+impl EncodeMetric for Fixed {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        let h = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        // Per bucket, not cumulative; the last bound is +Inf (f64::MAX to the encoder).
+        let buckets: Vec<(f64, u64)> = BUCKETS_S
+            .iter()
+            .copied()
+            .chain(std::iter::once(f64::MAX))
+            .zip(h.counts.iter().copied())
+            .collect();
+        encoder.encode_histogram::<NoLabelSet>(h.sum_s, h.count, &buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        Self::TYPE
     }
 }
 
@@ -78,9 +116,9 @@ fn answer(
     let path = url.split('?').next().unwrap_or("");
     match (method, path) {
         (tiny_http::Method::Get, "/metrics") => match snapshot.latest() {
-            Some(status) => text(
+            Some((status, latencies)) => text(
                 200,
-                render(&status),
+                render(&status, &latencies),
                 "application/openmetrics-text; version=1.0.0; charset=utf-8",
             ),
             None => text(503, "kvctld is starting\n".into(), "text/plain"),
@@ -320,9 +358,37 @@ const GAUGES: &[(&str, &str, &str)] = &[
     ),
 ];
 
-/// The exposition of `status`.
-pub fn render(status: &StatusReply) -> String {
+/// The exposition of `status` and `latencies`.
+pub fn render(status: &StatusReply, latencies: &Latencies) -> String {
     let mut registry = Registry::default();
+    let stages = Family::<Labels, Fixed>::default();
+    registry.register(
+        "kvfence_stage_duration_seconds",
+        "Time requests spent in each stage they went on from: admission_wait (Submit to \
+         admitted), bootstrap (decode reservation), prefill, transfer (the verified pull), \
+         decode",
+        stages.clone(),
+    );
+    for stage in Stage::ALL {
+        let labels = vec![("stage".to_owned(), stage.label().to_owned())];
+        stages
+            .get_or_create(&labels)
+            .set(&latencies.stages[stage.index()]);
+    }
+    let first = Fixed::default();
+    first.set(&latencies.first_token);
+    registry.register(
+        "kvfence_time_to_first_token_seconds",
+        "From Submit to the first tokens relayed to the client",
+        first,
+    );
+    let whole = Fixed::default();
+    whole.set(&latencies.request);
+    registry.register(
+        "kvfence_request_duration_seconds",
+        "From Submit to Done, for requests that completed",
+        whole,
+    );
     registry.register(
         "kvfence_build",
         "The kvfence build serving",
@@ -521,6 +587,15 @@ mod tests {
         }
     }
 
+    fn latencies() -> Latencies {
+        let mut l = Latencies::default();
+        for ms in [1, 3, 700] {
+            l.stage(Stage::Pulling).observe(Duration::from_millis(ms));
+        }
+        l.request.observe(Duration::from_millis(40));
+        l
+    }
+
     /// The value of the sample `name{labels}` (labels as exposed, in order).
     fn sample(text: &str, series: &str) -> Option<f64> {
         text.lines()
@@ -529,7 +604,7 @@ mod tests {
 
     #[test]
     fn status_becomes_labelled_series() {
-        let text = render(&status());
+        let text = render(&status(), &latencies());
         let get = |s: &str| sample(&text, s).unwrap_or_else(|| panic!("no {s} in:\n{text}"));
         assert_eq!(get("kvfence_requests_submitted_total"), 12.0);
         assert_eq!(get(r#"kvfence_requests_total{outcome="completed"}"#), 10.0);
@@ -573,6 +648,42 @@ mod tests {
             )),
             5.0
         );
+        let t = r#"stage="transfer""#;
+        assert_eq!(
+            get(&format!("kvfence_stage_duration_seconds_count{{{t}}}")),
+            3.0
+        );
+        assert!((get(&format!("kvfence_stage_duration_seconds_sum{{{t}}}")) - 0.704).abs() < 1e-9);
+        // Cumulative buckets: 1 ms in le=0.001, 3 ms by le=0.005, 700 ms by le=1.0.
+        assert_eq!(
+            get(&format!(
+                r#"kvfence_stage_duration_seconds_bucket{{le="0.001",{t}}}"#
+            )),
+            1.0
+        );
+        assert_eq!(
+            get(&format!(
+                r#"kvfence_stage_duration_seconds_bucket{{le="0.005",{t}}}"#
+            )),
+            2.0
+        );
+        assert_eq!(
+            get(&format!(
+                r#"kvfence_stage_duration_seconds_bucket{{le="0.5",{t}}}"#
+            )),
+            2.0
+        );
+        assert_eq!(
+            get(&format!(
+                r#"kvfence_stage_duration_seconds_bucket{{le="+Inf",{t}}}"#
+            )),
+            3.0
+        );
+        assert_eq!(
+            get(r#"kvfence_stage_duration_seconds_count{stage="prefill"}"#),
+            0.0
+        );
+        assert_eq!(get("kvfence_request_duration_seconds_count"), 1.0);
         assert!(text.contains(r#"kvfence_build_info{version=""#), "{text}");
         assert!(text.contains("# TYPE kvfence_requests counter"), "{text}");
         assert!(text.trim_end().ends_with("# EOF"), "{text}");
@@ -587,7 +698,7 @@ mod tests {
             .map(|(n, ..)| ((*n).to_owned(), 1))
             .chain(GAUGES.iter().map(|(n, ..)| ((*n).to_owned(), 1)))
             .collect();
-        render(&st)
+        render(&st, &latencies())
             .lines()
             .filter(|l| !l.starts_with('#') && !l.is_empty())
             .map(|l| l.split(['{', ' ']).next().unwrap_or("").to_owned())
@@ -655,7 +766,7 @@ mod tests {
             (code, body)
         };
         assert_eq!(get("/metrics").0, 503, "no status published yet");
-        snapshot.publish(status());
+        snapshot.publish(status(), latencies());
         let (code, body) = get("/metrics");
         assert_eq!(code, 200);
         assert!(

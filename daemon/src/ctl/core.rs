@@ -25,6 +25,7 @@
 //! abort waits while decode may still be copying its pages (invariant 4). A lost worker
 //! fails only the requests paired with it.
 
+use super::latency::Latencies;
 use super::workers::{ConnId, Worker, WorkerKey, Workers};
 use libkv::admission::{self, Limits, Need, RequestSpec, Side};
 use libkv::config::{Config, DeadlineDurations, Pairing};
@@ -193,6 +194,37 @@ pub enum Stage {
 }
 
 impl Stage {
+    /// Every stage, in the order a request goes through them.
+    pub const ALL: [Stage; 5] = [
+        Stage::Queued,
+        Stage::Reserving,
+        Stage::Prefilling,
+        Stage::Pulling,
+        Stage::Decoding,
+    ];
+
+    /// The stage's place in [`Stage::ALL`].
+    pub fn index(self) -> usize {
+        match self {
+            Stage::Queued => 0,
+            Stage::Reserving => 1,
+            Stage::Prefilling => 2,
+            Stage::Pulling => 3,
+            Stage::Decoding => 4,
+        }
+    }
+
+    /// The stage as a metric label (`stage="bootstrap"`).
+    pub fn label(self) -> &'static str {
+        match self {
+            Stage::Queued => "admission_wait",
+            Stage::Reserving => "bootstrap",
+            Stage::Prefilling => "prefill",
+            Stage::Pulling => "transfer",
+            Stage::Decoding => "decode",
+        }
+    }
+
     /// The stage as an operator reads it.
     pub fn name(self) -> &'static str {
         match self {
@@ -234,6 +266,10 @@ struct Request {
     deadline: Instant,
     /// The whole request's budget (`deadline` minus its arrival).
     total: Duration,
+    /// When its Submit arrived.
+    arrived: Instant,
+    /// Whether tokens were relayed to the client yet.
+    first_token_sent: bool,
 }
 
 /// Ledger pages lent for a request and not yet reported free, per side, with the worker
@@ -317,6 +353,7 @@ pub struct Core {
     counters: Counters,
     /// DecodeReserve to DecodeReserved: the bootstrap round trip through decoded.
     bootstrap_rtt: Samples,
+    latencies: Latencies,
     stopping_since: Option<Instant>,
     out: Vec<Action>,
 }
@@ -334,12 +371,18 @@ impl Core {
             next_id: 1,
             counters: Counters::default(),
             bootstrap_rtt: Samples::default(),
+            latencies: Latencies::default(),
             stopping_since: None,
             out: Vec::new(),
         }
     }
 
     /// What to send, in order, since the last call.
+    /// The latency histograms so far (for `/metrics`).
+    pub fn latencies(&self) -> &Latencies {
+        &self.latencies
+    }
+
     pub fn take_actions(&mut self) -> Vec<Action> {
         std::mem::take(&mut self.out)
     }
@@ -750,6 +793,9 @@ impl Core {
 
     fn enter(&mut self, id: RequestId, stage: Stage, budget: Duration, now: Instant) {
         if let Some(r) = self.requests.get_mut(&id) {
+            self.latencies
+                .stage(r.stage)
+                .observe(now.saturating_duration_since(r.stage_started));
             r.stage = stage;
             r.stage_started = now;
             r.stage_deadline = now + budget;
@@ -852,6 +898,13 @@ impl Core {
             return;
         }
         let client = r.client;
+        if !r.first_token_sent {
+            let since = now.saturating_duration_since(r.arrived);
+            self.latencies.first_token.observe(since);
+            if let Some(r) = self.requests.get_mut(&id) {
+                r.first_token_sent = true;
+            }
+        }
         self.send(client, id, t);
     }
 
@@ -865,6 +918,12 @@ impl Core {
             return;
         }
         let Some(r) = self.end(id) else { return };
+        self.latencies
+            .stage(Stage::Decoding)
+            .observe(now.saturating_duration_since(r.stage_started));
+        self.latencies
+            .request
+            .observe(now.saturating_duration_since(r.arrived));
         if let Some((p, dk)) = r.pair {
             for (k, name) in [(p, &mut d.prefill_worker), (dk, &mut d.decode_worker)] {
                 if let Some(w) = self.workers.get_mut(k) {
@@ -1056,6 +1115,8 @@ impl Core {
                 stage_started: now,
                 deadline: now + total,
                 total,
+                arrived: now,
+                first_token_sent: false,
             },
         );
         // Admitted at once when nobody waits ahead and a pair has room now.

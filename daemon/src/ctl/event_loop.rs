@@ -256,8 +256,9 @@ impl EventLoop {
             return;
         }
         let status = self.core.status(&self.loop_counters());
+        let latencies = self.core.latencies().clone();
         if let Some((snapshot, at)) = &mut self.metrics {
-            snapshot.publish(status);
+            snapshot.publish(status, latencies);
             *at = now + crate::metrics::REFRESH;
         }
     }

@@ -28,6 +28,7 @@
 
 pub mod core;
 pub mod event_loop;
+pub mod latency;
 pub mod workers;
 
 use self::core::{Core, CoreConfig};

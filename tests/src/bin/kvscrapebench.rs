@@ -10,6 +10,7 @@
 #![allow(clippy::print_stdout)]
 
 use clap::Parser;
+use kvctld::ctl::latency::Latencies;
 use kvctld::metrics::{Snapshot, render, serve};
 use libkv::Generation;
 use libkv::proto::{Role, StatusReply, Transport, WorkerStatus};
@@ -110,14 +111,14 @@ fn main() {
     let args = Args::parse();
     let status = status(args.workers);
     let snapshot = Snapshot::default();
-    snapshot.publish(status.clone());
+    snapshot.publish(status.clone(), Latencies::default());
     let addr = serve("127.0.0.1:0".parse().expect("addr"), snapshot).expect("metrics listener");
 
     let mut renders = Vec::with_capacity(args.scrapes);
     let mut bytes = 0;
     for _ in 0..args.scrapes {
         let t = Instant::now();
-        let text = render(&status);
+        let text = render(&status, &Latencies::default());
         renders.push(t.elapsed());
         bytes = text.len();
     }
@@ -136,7 +137,7 @@ fn main() {
     }
     let (r50, r99) = quantiles(renders);
     let (s50, s99) = quantiles(scrapes);
-    let series = render(&status)
+    let series = render(&status, &Latencies::default())
         .lines()
         .filter(|l| !l.starts_with('#'))
         .count();
