@@ -1,6 +1,7 @@
 //! kvctld's `/metrics` endpoint on a running stack of 2 prefill + 2 decode workers: after
 //! a known load (requests that succeed, one that is rejected), a scrape says the same
-//! counts, every worker is up with its pool in pages and tokens beside the context one
+//! counts (the latency histograms hold one sample per served request and stage), every
+//! worker is up with its pool in pages and tokens beside the context one
 //! request needs of it, and a lost worker shows as down.
 //!
 //! Build the binaries first (`cargo build --release --bins`). Bounded in time.
@@ -87,6 +88,21 @@ fn a_scrape_says_what_the_stack_did() {
         check(r#"kvfence_requests_total{outcome="rejected"}"#, 1.0)?;
         check("kvfence_requests_submitted_total", served as f64 + 1.0)?;
         check("kvfence_requests_in_flight", 0.0)?;
+        // Every served request went through every stage once, and the rejected one none.
+        check("kvfence_request_duration_seconds_count", served as f64)?;
+        check("kvfence_time_to_first_token_seconds_count", served as f64)?;
+        for stage in [
+            "admission_wait",
+            "bootstrap",
+            "prefill",
+            "transfer",
+            "decode",
+        ] {
+            check(
+                &format!(r#"kvfence_stage_duration_seconds_count{{stage="{stage}"}}"#),
+                served as f64,
+            )?;
+        }
         let mut prefill_served = 0.0;
         for (id, role, pool, need) in [
             (

@@ -1,7 +1,8 @@
 //! A real Prometheus server scrapes a running stack (2 prefill + 2 decode workers, kvctld's
 //! `/metrics` on a free loopback port) every second while clients send a known load; then
 //! its HTTP API must say what the load was: the completed and rejected request counters
-//! equal the clients' own counts, each prefill worker's served counter adds up to them, and
+//! equal the clients' own counts, the latency histograms hold as many samples, each prefill
+//! worker's served counter adds up to them, and
 //! the pool-versus-context expression of the `KvfencePoolBelowContext` alert holds the
 //! configured numbers for every worker (and does not fire).
 //!
@@ -185,6 +186,21 @@ fn prometheus_scraping_a_stack_sees_the_load_it_served() {
         query(&prom, "up"),
         prom_log()
     );
+    // The latency histograms hold one sample per served request, per stage.
+    for q in [
+        "kvfence_request_duration_seconds_count".to_owned(),
+        "kvfence_time_to_first_token_seconds_count".to_owned(),
+        r#"kvfence_stage_duration_seconds_count{stage="transfer"}"#.to_owned(),
+        r#"kvfence_stage_duration_seconds_count{stage="decode"}"#.to_owned(),
+    ] {
+        assert_eq!(scalar(&prom, &q), Some(served), "{q}");
+    }
+    let p99 = scalar(
+        &prom,
+        "histogram_quantile(0.99, kvfence_request_duration_seconds_bucket)",
+    )
+    .expect("a p99 of the request duration");
+    assert!(p99 > 0.0 && p99 <= 30.0, "p99 {p99}");
     let by_prefill = scalar(
         &prom,
         r#"sum(kvfence_worker_requests_served_total{role="prefill"})"#,
