@@ -122,34 +122,49 @@ enum Moved {
     Rdma,
 }
 
-/// Fails unless the prefill workers' counters say the pages moved as `moved` says.
+/// Fails unless the prefill workers' counters say the pages moved as `moved` says. A
+/// worker reports its counters after the fact (prefilld once the pages it served are
+/// released), so the counters are waited for, bounded, never read once.
 fn assert_transport(stack: &Stack, moved: Moved) {
-    let s = stack.status().expect("status");
-    let get = |name: &str| role_counter(&s, Role::Prefill, name);
-    let served = get("pages_served");
-    let (sessions, bound, revoked) = (
-        get("rdma_sessions"),
-        get("windows_bound"),
-        get("windows_revoked"),
-    );
-    let what = format!(
-        "{served} pages served, {sessions} RDMA sessions, {bound} windows bound, \
-         {revoked} invalidated"
-    );
     let want = match moved {
         Moved::Shm => Transport::Shm,
         Moved::Tcp => Transport::Tcp,
         Moved::Rdma => Transport::Rdma,
     };
-    assert_eq!(s.transport, Some(want), "the transport kvctld reports");
-    match moved {
-        Moved::Shm => assert_eq!(served, 0, "{what}"),
-        Moved::Tcp => assert!(served > 0 && sessions == 0, "{what}"),
-        Moved::Rdma => assert!(
-            served > 0 && sessions > 0 && bound > 0 && bound == revoked,
-            "{what}"
-        ),
-    }
+    let check = |s: &StatusReply| -> Result<(), String> {
+        let get = |name: &str| role_counter(s, Role::Prefill, name);
+        let served = get("pages_served");
+        let (sessions, bound, revoked) = (
+            get("rdma_sessions"),
+            get("windows_bound"),
+            get("windows_revoked"),
+        );
+        let what = format!(
+            "{served} pages served, {sessions} RDMA sessions, {bound} windows bound, \
+             {revoked} invalidated"
+        );
+        if s.transport != Some(want) {
+            return Err(format!("kvctld reports the transport {:?}", s.transport));
+        }
+        let ok = match moved {
+            Moved::Shm => served == 0,
+            Moved::Tcp => served > 0 && sessions == 0,
+            Moved::Rdma => served > 0 && sessions > 0 && bound > 0 && bound == revoked,
+        };
+        if ok { Ok(()) } else { Err(what) }
+    };
+    let mut last = String::new();
+    let done = wait_until(Duration::from_secs(10), || {
+        let s = stack.status().ok()?;
+        match check(&s) {
+            Ok(()) => Some(()),
+            Err(e) => {
+                last = e;
+                None
+            }
+        }
+    });
+    assert!(done.is_some(), "pages did not move as {moved:?}: {last}");
 }
 
 /// The RDMA transport on the device of `KVFENCE_RDMA_DEVICE` (GID index
