@@ -462,6 +462,10 @@ impl Decode {
 }
 
 impl Worker for Decode {
+    fn refresh_report(&mut self, link: &mut Link) {
+        worker::report_if_changed(link, &self.pool, || self.counters.snapshot());
+    }
+
     fn can_register(&self) -> bool {
         self.held.is_empty() && self.pool.usage().free == self.pool.pages()
     }
@@ -1328,5 +1332,65 @@ mod tests {
         for (daemon, _, _) in prefills {
             daemon.stop().unwrap();
         }
+    }
+
+    #[test]
+    fn pages_a_stalled_pull_is_writing_are_reported_without_an_event() {
+        // A page server that takes the request and then says nothing until told to go.
+        let (_k, cfg, daemon, mut peer, _prefill) = start(|_| {});
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let server = std::thread::spawn(move || {
+            let (conn, _) = listener.accept().unwrap();
+            let _ = released.recv_timeout(std::time::Duration::from_secs(20));
+            drop(conn);
+        });
+        peer.send(
+            RequestId(0),
+            libkv::proto::PrefillEndpoint {
+                worker: "prefill-slow".into(),
+                geometry: cfg.geometry,
+                pool_pages: cfg.prefill.pool_pages,
+                endpoint: libkv::proto::TcpEndpoint {
+                    addr,
+                    token: [7; libkv::proto::TOKEN_BYTES],
+                },
+                rdma: false,
+            },
+        );
+        let n = u32::try_from(tokenize(PROMPT).len()).unwrap();
+        let pages = reserve(&mut peer, 1, n, 4);
+        let manifest_pages = u32::try_from(cfg.geometry.pages_for_tokens(u64::from(n))).unwrap();
+        peer.send(
+            RequestId(1),
+            PullKv {
+                source: "prefill-slow".into(),
+                manifest: Manifest {
+                    owner: owner(1),
+                    tokens: n,
+                    pages: (0..manifest_pages).map(PageId).collect(),
+                    digests: vec![0; manifest_pages as usize],
+                },
+                max_new_tokens: 4,
+            },
+        );
+        // Nothing happens on the link while the pull waits, yet a report comes that shows
+        // the reservation's pages being written.
+        let report = loop {
+            match peer.recv() {
+                (_, Message::PoolReport(r), _) if r.writing > 0 => break r,
+                (_, Message::PoolReport(_), _) => {}
+                (h, m, _) => panic!("expected a PoolReport, got {m:?} for {}", h.request_id),
+            }
+        };
+        assert_eq!(report.writing + report.reserved, pages, "{report:?}");
+        release.send(()).unwrap();
+        server.join().unwrap();
+        // The pull fails (the server hung up) and the pages come back.
+        let (_, msg) = peer.next_frame();
+        expect_error(msg, ErrorCode::WorkerLost);
+        expect_freed(&mut peer, &cfg, 1, pages);
+        daemon.stop().unwrap();
     }
 }

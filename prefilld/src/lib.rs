@@ -338,6 +338,10 @@ impl Prefill {
 }
 
 impl Worker for Prefill {
+    fn refresh_report(&mut self, link: &mut Link) {
+        worker::report_if_changed(link, &self.pool, || self.counters.snapshot());
+    }
+
     fn can_register(&self) -> bool {
         self.held.lock().is_empty()
             && self.releasing.is_empty()

@@ -27,6 +27,7 @@
 
 use crate::config::Config;
 use crate::outbox::{Flushed, Outbox};
+use crate::pool::PoolUsage;
 use crate::proto::{
     Drain, DrainReply, ErrorCode, Header, Message, PROTOCOL_VERSION, RegisterAck, RegisterWorker,
     Role,
@@ -259,6 +260,8 @@ pub struct Link {
     /// Why kvctld refused the registration for good.
     refusal: Option<String>,
     frames_received: u64,
+    /// The pool's page counts in the last `PoolReport` sent on this connection.
+    last_report: Option<PoolUsage>,
 }
 
 impl Link {
@@ -280,7 +283,18 @@ impl Link {
             draining: Draining::No,
             refusal: None,
             frames_received: 0,
+            last_report: None,
         }
+    }
+
+    /// Remembers the page counts of a `PoolReport` just sent.
+    pub fn reported(&mut self, usage: PoolUsage) {
+        self.last_report = Some(usage);
+    }
+
+    /// The page counts of the last `PoolReport` sent since registering, if any.
+    pub fn last_reported(&self) -> Option<PoolUsage> {
+        self.last_report
     }
 
     fn role(&self) -> Role {
@@ -719,6 +733,10 @@ pub trait Worker {
     fn next_deadline(&self) -> Option<Instant>;
     /// Ends what passed its deadline.
     fn expire(&mut self, link: &mut Link, now: Instant);
+    /// Sends a `PoolReport` if the pool's page counts changed since the last one: pages
+    /// move between reserved, writing and readable without an event that reports them.
+    /// Called every [`REPORT_EVERY`] while registered.
+    fn refresh_report(&mut self, _link: &mut Link) {}
     /// Stop: abort everything (reporting `Freed` while the link is up), within the drain time.
     fn shutdown(&mut self, link: &mut Link);
 }
@@ -779,6 +797,9 @@ fn stop_reason(
     }
 }
 
+/// How often a registered worker looks whether its pool changed unreported.
+pub const REPORT_EVERY: Duration = Duration::from_millis(250);
+
 /// The worker's event loop: runs until stopped (see the module doc: SIGTERM/SIGINT if
 /// `opts.handle_signals`, or `opts.shutdown`; registered, it drains first), then lets the
 /// worker abort what it holds and returns. Ends with [`LinkError::Misconfigured`] when kvctld
@@ -804,6 +825,7 @@ pub fn serve(
     let mut out = Vec::new();
     let mut signalled = 0u8;
     let mut drain_deadline = None;
+    let mut next_refresh = Instant::now() + REPORT_EVERY;
     let result = loop {
         if let Some(message) = link.refusal() {
             break Err(LinkError::Misconfigured {
@@ -822,6 +844,12 @@ pub fn serve(
         link.tick(poll.registry(), now, may_connect, &mut out);
         dispatch(&mut link, worker, &mut out);
         worker.expire(&mut link, now);
+        if now >= next_refresh {
+            if link.is_registered() {
+                worker.refresh_report(&mut link);
+            }
+            next_refresh = now + REPORT_EVERY;
+        }
         link.flush(poll.registry(), &mut out);
         dispatch(&mut link, worker, &mut out);
 
@@ -832,6 +860,7 @@ pub fn serve(
                 link.timer(worker.can_register()),
                 worker.next_deadline(),
                 drain_deadline,
+                link.is_registered().then_some(next_refresh),
             ]
             .into_iter()
             .flatten()

@@ -473,6 +473,7 @@ pub fn check_owner(current: Option<Generation>, id: RequestId, owner: Owner) -> 
 /// `frames_received` (counted by the link).
 pub fn send_report(link: &mut Link, pool: &PagePool, counters: Vec<(String, u64)>) {
     let u = pool.usage();
+    link.reported(u);
     let mut all = Vec::with_capacity(counters.len() + 1);
     all.push(("frames_received".to_owned(), link.frames_received()));
     all.extend(counters);
@@ -487,6 +488,18 @@ pub fn send_report(link: &mut Link, pool: &PagePool, counters: Vec<(String, u64)
             counters: all,
         },
     );
+}
+
+/// Sends a `PoolReport` (with the counters `counters` gives) only if the pool's page counts
+/// differ from the last one sent: [`Worker::refresh_report`] for both workers.
+pub fn report_if_changed(
+    link: &mut Link,
+    pool: &PagePool,
+    counters: impl FnOnce() -> Vec<(String, u64)>,
+) {
+    if link.last_reported() != Some(pool.usage()) {
+        send_report(link, pool, counters());
+    }
 }
 
 #[cfg(test)]
