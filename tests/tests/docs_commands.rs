@@ -297,13 +297,14 @@ fn every_command_of_the_readmes_runs_as_written() {
     }
     // The prompt file the README's `--prompt-file` example reads.
     std::fs::write(tmp.join("prompt.txt"), "a prompt from a file\n".repeat(64)).unwrap();
-    let _stop = StopAll(tmp);
     let _dir = if keep {
         eprintln!("keeping {}", dir.keep().display());
         None
     } else {
         Some(dir)
     };
+    // Declared after the directory, so dropped before it: it reads the pids from it.
+    let _stop = StopAll(tmp);
     let (mut ran, mut skips) = (Vec::new(), Vec::new());
     run_file("README.md", tmp, &mut ran, &mut skips);
     // systemd/README.md on a fresh "host": the README's daemons are stopped first.
