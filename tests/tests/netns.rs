@@ -10,7 +10,7 @@
 use kvctld::client::GenerateOutcome;
 use kvctld::stack::{Daemon, Stack, StackOptions, default_bin_dir, error_chain};
 use kvfence_tests::hosts::{self, Hosts};
-use kvfence_tests::worker_counter;
+use kvfence_tests::{prompt, worker_counter};
 use libkv::config::{Config, Transfer, TransportKind};
 use libkv::model::{ReferenceModel, monolithic, tokenize};
 use std::thread;
@@ -19,15 +19,6 @@ use std::time::{Duration, Instant};
 const PREFILL_ADDR: &str = "192.0.2.1";
 const DECODE_ADDR: &str = "192.0.2.2";
 const TEST_BOUND: Duration = Duration::from_secs(60);
-
-fn prompt(tenant: &str, index: usize, len: usize) -> Vec<u8> {
-    let mut p = format!("[{tenant} secret s3cr3t-{tenant}-{index:04}] ").into_bytes();
-    while p.len() < len {
-        p.extend_from_slice(format!("{tenant} data {index} ").as_bytes());
-    }
-    p.truncate(len);
-    p
-}
 
 #[test]
 fn prefilld_and_decoded_on_two_network_namespaces_pull_over_tcp() {

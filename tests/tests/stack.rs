@@ -8,9 +8,11 @@
 
 use kvctld::client::{Client, ClientError, GenerateOutcome, REPLY_SLACK, exit};
 use kvctld::stack::{Daemon, Stack, StackOptions, error_chain, wait_until};
-use kvfence_tests::{LogsOnPanic, bin_dir, role_counter, worker_counter};
+use kvfence_tests::{
+    LogsOnPanic, assert_matches, bin_dir, expected, model, prompt, role_counter, tcp,
+    worker_counter,
+};
 use libkv::config::{Config, Transfer, TransportKind};
-use libkv::model::{Output, ReferenceModel, monolithic, tokenize};
 use libkv::proto::{ErrorCode, Role, StatusReply, Transport};
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
@@ -42,25 +44,6 @@ fn start(tweak: impl FnOnce(&mut Config)) -> (tempfile::TempDir, LogsOnPanic, St
     (dir, logs, stack)
 }
 
-fn model(stack: &Stack) -> ReferenceModel {
-    ReferenceModel::new(stack.config().geometry).expect("reference model")
-}
-
-fn expected(model: &ReferenceModel, prompt: &[u8], max_new: u32) -> Output {
-    monolithic(model, &tokenize(prompt), max_new).expect("monolithic")
-}
-
-/// A prompt of `len` bytes for `tenant`, starting with the tenant's secret.
-fn prompt(tenant: &str, index: usize, len: usize) -> Vec<u8> {
-    let mut p = format!("[{tenant} secret s3cr3t-{tenant}-{index:04}] ").into_bytes();
-    let filler = format!("{tenant} data {index} ");
-    while p.len() < len {
-        p.extend_from_slice(filler.as_bytes());
-    }
-    p.truncate(len.max(1));
-    p
-}
-
 /// Whether every page of both pools is free, as kvctld last heard from the workers.
 fn pools_all_free(status: &StatusReply) -> bool {
     [Role::Prefill, Role::Decode].iter().all(|role| {
@@ -90,25 +73,6 @@ fn assert_pools_drain(stack: &Stack, within: Duration) {
         "pages still held {within:?} after the requests ended: {:#?}",
         last.map(|s| s.workers)
     );
-}
-
-fn assert_matches(out: &GenerateOutcome, want: &Output, what: &str) {
-    assert_eq!(
-        out.tokens, want.tokens,
-        "{what}: tokens differ from monolithic"
-    );
-    assert_eq!(
-        out.done.signature, want.signature,
-        "{what}: signature differs from monolithic"
-    );
-}
-
-/// The TCP transport on loopback: prefilld serves its pages on a free port of 127.0.0.1.
-fn tcp(config: &mut Config) {
-    config.transfer = Transfer {
-        transport: TransportKind::Tcp,
-        listen: Some("127.0.0.1:0".into()),
-    };
 }
 
 /// How the pages moved.
