@@ -774,5 +774,27 @@ mod tests {
             "{body}"
         );
         assert_eq!(get("/other").0, 404);
+        // Garbage and other methods get an answer (or a close), and the endpoint serves on.
+        {
+            use std::io::{Read, Write};
+            for junk in [
+                &b"\x00\xff garbage\r\n\r\n"[..],
+                b"POST /metrics HTTP/1.0\r\n\r\n",
+            ] {
+                let mut s = std::net::TcpStream::connect(addr).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                s.write_all(junk).unwrap();
+                let mut answer = Vec::new();
+                let _ = s.read_to_end(&mut answer);
+                assert!(
+                    answer.is_empty()
+                        || !answer.starts_with(b"HTTP/1.0 200")
+                            && !answer.starts_with(b"HTTP/1.1 200"),
+                    "{}",
+                    String::from_utf8_lossy(&answer)
+                );
+            }
+        }
+        assert_eq!(get("/metrics").0, 200, "still serving after bad requests");
     }
 }
