@@ -1,27 +1,22 @@
 //! kvctld's Prometheus endpoint: `GET /metrics` answers in the text exposition format with
-//! kvctld's counters and every worker's pool, labelled by `worker` and `role`.
+//! kvctld's counters, its latency histograms and every worker's pool, labelled by `worker`
+//! and `role` (the series [`libkv::metrics`] defines for kvctld and the workers alike).
 //!
 //! The event loop publishes a [`Snapshot`] of its status every [`REFRESH`]; the HTTP thread
 //! renders the latest one when scraped, so a request pays nothing for metrics and a scrape
-//! never waits on the loop. Every metric is defined once, in [`render`]: its name (units in
-//! the name), kind and help.
-//!
-//! Per worker, the pool's capacity in pages (`kvfence_worker_pool_pages`) and in tokens
-//! (`kvfence_worker_pool_tokens`) stand beside the context one request may need of that pool
-//! (`kvfence_worker_request_context_tokens`: `max_context`, plus `max_new_tokens` on decode),
-//! so "a pool below the context" is one expression:
-//! `kvfence_worker_pool_tokens < kvfence_worker_request_context_tokens`.
+//! never waits on the loop. Every metric kvctld adds is defined once, in [`render`]: its
+//! name (units in the name), kind and help.
 
 use crate::ctl::core::Stage;
 use crate::ctl::latency::{BUCKETS_S, Histogram, Latencies};
-use libkv::proto::{Role, StatusReply, WorkerStatus};
-use log::{info, warn};
-use prometheus_client::encoding::text::encode;
+use libkv::metrics::{
+    Board, Exporter, Labels, WorkerSeries, build_info, counter_family, exposition, gauge,
+    request_context_tokens,
+};
+use libkv::proto::StatusReply;
 use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::info::Info;
 use prometheus_client::metrics::{MetricType, TypedMetric};
 use prometheus_client::registry::Registry;
 use std::io;
@@ -35,15 +30,11 @@ pub const REFRESH: Duration = Duration::from_millis(100);
 /// The latest status and latency histograms the event loop published, shared with the
 /// HTTP thread.
 #[derive(Debug, Clone, Default)]
-pub struct Snapshot(Arc<Mutex<Option<(StatusReply, Latencies)>>>);
+pub struct Snapshot(Board<(StatusReply, Latencies)>);
 
 impl Snapshot {
     pub fn publish(&self, status: StatusReply, latencies: Latencies) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some((status, latencies));
-    }
-
-    fn latest(&self) -> Option<(StatusReply, Latencies)> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.0.publish((status, latencies));
     }
 }
 
@@ -83,85 +74,12 @@ impl EncodeMetric for Fixed {
 /// Starts the HTTP listener on `addr` on a thread of its own; returns the address bound
 /// (port 0 picks a free port).
 pub fn serve(addr: SocketAddr, snapshot: Snapshot) -> io::Result<SocketAddr> {
-    let server = tiny_http::Server::http(addr).map_err(io::Error::other)?;
-    let bound = server
-        .server_addr()
-        .to_ip()
-        .ok_or_else(|| io::Error::other("the metrics listener has no IP address"))?;
-    std::thread::Builder::new()
-        .name("metrics".into())
-        .spawn(move || {
-            for request in server.incoming_requests() {
-                let response = answer(request.method(), request.url(), &snapshot);
-                if let Err(e) = request.respond(response) {
-                    warn!("metrics: answering a scrape: {e}");
-                }
-            }
-        })?;
-    info!("metrics on http://{bound}/metrics");
-    Ok(bound)
-}
-
-fn answer(
-    method: &tiny_http::Method,
-    url: &str,
-    snapshot: &Snapshot,
-) -> tiny_http::Response<io::Cursor<Vec<u8>>> {
-    let text = |code: u16, body: String, kind: &str| {
-        let header = tiny_http::Header::from_bytes("Content-Type", kind).expect("static header");
-        tiny_http::Response::from_string(body)
-            .with_status_code(code)
-            .with_header(header)
-    };
-    let path = url.split('?').next().unwrap_or("");
-    match (method, path) {
-        (tiny_http::Method::Get, "/metrics") => match snapshot.latest() {
-            Some((status, latencies)) => text(
-                200,
-                render(&status, &latencies),
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            ),
-            None => text(503, "kvctld is starting\n".into(), "text/plain"),
-        },
-        (tiny_http::Method::Get, _) => text(404, "only /metrics is here\n".into(), "text/plain"),
-        _ => text(405, "GET /metrics only\n".into(), "text/plain"),
-    }
-}
-
-type Labels = Vec<(String, String)>;
-
-fn worker_labels(w: &WorkerStatus) -> Labels {
-    let role = match w.role {
-        Role::Prefill => "prefill",
-        Role::Decode => "decode",
-        Role::Client => "client",
-    };
-    vec![
-        ("worker".to_owned(), w.id.clone()),
-        ("role".to_owned(), role.to_owned()),
-    ]
-}
-
-fn gauge_family(registry: &mut Registry, name: &str, help: &str) -> Family<Labels, Gauge> {
-    let f = Family::<Labels, Gauge>::default();
-    registry.register(name, help, f.clone());
-    f
-}
-
-fn counter_family(registry: &mut Registry, name: &str, help: &str) -> Family<Labels, Counter> {
-    let f = Family::<Labels, Counter>::default();
-    registry.register(name, help, f.clone());
-    f
-}
-
-fn gauge(registry: &mut Registry, name: &str, help: &str, value: u64) {
-    let g = Gauge::<i64>::default();
-    g.set(i64::try_from(value).unwrap_or(i64::MAX));
-    registry.register(name, help, g);
-}
-
-fn set(g: &Gauge, value: u64) {
-    g.set(i64::try_from(value).unwrap_or(i64::MAX));
+    libkv::metrics::serve(addr, "kvctld", move || {
+        snapshot
+            .0
+            .latest()
+            .map(|(status, latencies)| render(&status, &latencies))
+    })
 }
 
 /// One of kvctld's counters as a metric: status name, metric name (without `_total`), help,
@@ -389,11 +307,7 @@ pub fn render(status: &StatusReply, latencies: &Latencies) -> String {
         "From Submit to Done, for requests that completed",
         whole,
     );
-    registry.register(
-        "kvfence_build",
-        "The kvfence build serving",
-        Info::new(vec![("version", env!("CARGO_PKG_VERSION"))]),
-    );
+    build_info(&mut registry);
     let value = |name: &str| {
         status
             .counters
@@ -442,107 +356,21 @@ pub fn render(status: &StatusReply, latencies: &Latencies) -> String {
         u64::from(status.max_new_tokens),
     );
 
-    let up = gauge_family(
-        &mut registry,
-        "kvfence_worker_up",
-        "1 while the worker is registered and connected, 0 once lost",
-    );
-    let draining = gauge_family(
-        &mut registry,
-        "kvfence_worker_draining",
-        "1 while an operator or SIGTERM drains the worker",
-    );
-    let pool_pages = gauge_family(
-        &mut registry,
-        "kvfence_worker_pool_pages",
-        "Pages of the worker's pool",
-    );
-    let pool_tokens = gauge_family(
-        &mut registry,
-        "kvfence_worker_pool_tokens",
-        "Tokens the worker's pool holds (pages x tokens per page)",
-    );
-    let context = gauge_family(
-        &mut registry,
-        "kvfence_worker_request_context_tokens",
-        "Tokens one request of the largest size needs of this pool: max_context on prefill, \
-         max_context + max_new_tokens on decode",
-    );
-    let pages = gauge_family(
-        &mut registry,
-        "kvfence_worker_pages",
-        "Pages of the worker's pool by state, as the worker last reported them",
-    );
-    let lent = gauge_family(
-        &mut registry,
-        "kvfence_worker_lent_pages",
-        "Pages kvctld's ledger has lent to requests on the worker",
-    );
-    let in_flight = gauge_family(
-        &mut registry,
-        "kvfence_worker_requests_in_flight",
-        "Requests on the worker now",
-    );
-    let served = counter_family(
-        &mut registry,
-        "kvfence_worker_requests_served",
-        "Requests the worker took part in that ended (since it registered)",
-    );
-    let events = counter_family(
-        &mut registry,
-        "kvfence_worker_events",
-        "The worker's own counters, by name (prefill_runs, pages_served, pulls, \
-         verify_failed, windows_bound, ...), as it last reported them",
-    );
+    let workers = WorkerSeries::register(&mut registry, Exporter::Kvctld);
     for w in &status.workers {
-        let labels = worker_labels(w);
-        set(&up.get_or_create(&labels), u64::from(w.connected));
-        set(&draining.get_or_create(&labels), u64::from(w.drain));
-        if !w.connected {
-            continue;
-        }
-        set(&pool_pages.get_or_create(&labels), u64::from(w.pool_pages));
-        set(
-            &pool_tokens.get_or_create(&labels),
-            u64::from(w.pool_pages) * u64::from(w.tokens_per_page),
+        workers.add(
+            w,
+            request_context_tokens(w.role, status.max_context, status.max_new_tokens),
         );
-        let need = match w.role {
-            Role::Decode => u64::from(status.max_context) + u64::from(status.max_new_tokens),
-            _ => u64::from(status.max_context),
-        };
-        set(&context.get_or_create(&labels), need);
-        for (state, n) in [
-            ("free", w.free),
-            ("reserved", w.reserved),
-            ("writing", w.writing),
-            ("readable", w.readable),
-            ("draining", w.draining),
-        ] {
-            let mut l = labels.clone();
-            l.push(("state".to_owned(), state.to_owned()));
-            set(&pages.get_or_create(&l), u64::from(n));
-        }
-        set(&lent.get_or_create(&labels), u64::from(w.held_pages));
-        set(&in_flight.get_or_create(&labels), u64::from(w.in_flight));
-        served.get_or_create(&labels).inc_by(w.served);
-        for (name, v) in &w.counters {
-            let mut l = labels.clone();
-            l.push(("counter".to_owned(), name.clone()));
-            events.get_or_create(&l).inc_by(*v);
-        }
     }
-    let mut out = String::new();
-    if let Err(e) = encode(&mut out, &registry) {
-        warn!("metrics: encoding: {e}");
-    }
-    out
+    exposition(&registry)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use libkv::Generation;
-    use libkv::proto::Transport;
+    use libkv::proto::{Role, Transport, WorkerStatus};
 
     fn worker(id: &str, role: Role, pool_pages: u32, connected: bool) -> WorkerStatus {
         WorkerStatus {

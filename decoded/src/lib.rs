@@ -33,7 +33,7 @@ use libkv::proto::{
     PullKv, RegisterAck, Transport,
 };
 use libkv::rdma::RdmaNode;
-use libkv::worker::{self, Link, Startup, Worker, add, page_count, pool_error_code, refuse};
+use libkv::worker::{self, Link, Load, Startup, Worker, add, page_count, pool_error_code, refuse};
 use libkv::{Generation, Owner, PageGeometry, RequestId};
 use log::{debug, info, warn};
 use std::collections::HashMap;
@@ -104,12 +104,13 @@ struct Decode {
 pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
     // The decode pool's fd never leaves this process: only the pool holds it. Registered
     // with RDMA for local access only: reads land here, no peer gets a key to it.
-    let start = Startup::new(&cfg, Side::Decode)?;
+    let mut start = Startup::new(&cfg, Side::Decode)?;
     let mut transports = vec![Transport::Shm, Transport::Tcp];
     if start.rdma.is_some() {
         transports.push(Transport::Rdma);
     }
-    let link = Link::new(&cfg, start.registration(transports, None), None);
+    let register = start.registration(transports, None);
+    let link = start.link(&cfg, register);
     let Startup {
         model,
         pool,
@@ -464,6 +465,14 @@ impl Decode {
 impl Worker for Decode {
     fn refresh_report(&mut self, link: &mut Link) {
         worker::report_if_changed(link, &self.pool, || self.counters.snapshot());
+    }
+
+    fn load(&self) -> Load {
+        Load {
+            usage: self.pool.usage(),
+            counters: self.counters.snapshot(),
+            in_flight: u32::try_from(self.held.len()).unwrap_or(u32::MAX),
+        }
     }
 
     fn can_register(&self) -> bool {

@@ -629,8 +629,11 @@ impl RdmaConfig {
     }
 }
 
-/// The optional `[metrics]` section: where kvctld answers `GET /metrics` (Prometheus text
-/// exposition) with its own counters and every worker's pool, by worker. Off by default.
+/// The optional `[metrics]` section: where the daemon reading this file answers
+/// `GET /metrics` (Prometheus text exposition): kvctld with its own counters and every
+/// worker's pool, by worker; prefilld and decoded with their own pool and counters. Off by
+/// default. Daemons on one host need addresses of their own (one file each, as the systemd
+/// units have), or port 0 for any free port (logged as `metrics on http://ADDR/metrics`).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Metrics {

@@ -10,6 +10,7 @@ pub mod config;
 pub mod geometry;
 pub mod ids;
 pub mod memory;
+pub mod metrics;
 pub mod model;
 pub mod outbox;
 pub mod pool;

@@ -24,7 +24,7 @@ use libkv::proto::{
     ErrorCode, Freed, Header, Message, PrefillDone, PrefillRun, RegisterAck, TcpEndpoint, Transport,
 };
 use libkv::verify::{Manifest, page_digest};
-use libkv::worker::{self, Link, Startup, Worker, add, page_count, pool_error_code, refuse};
+use libkv::worker::{self, Link, Load, Startup, Worker, add, page_count, pool_error_code, refuse};
 use libkv::{Generation, Owner, RequestId};
 use log::debug;
 use std::os::fd::OwnedFd;
@@ -126,7 +126,7 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
         (None, _) => vec![Transport::Shm],
     };
     let register = start.registration(transports, endpoint);
-    let link = Link::new(&cfg, register, start.read_only_fd.take());
+    let link = start.link(&cfg, register);
     let Startup {
         model,
         pool,
@@ -340,6 +340,14 @@ impl Prefill {
 impl Worker for Prefill {
     fn refresh_report(&mut self, link: &mut Link) {
         worker::report_if_changed(link, &self.pool, || self.counters.snapshot());
+    }
+
+    fn load(&self) -> Load {
+        Load {
+            usage: self.pool.usage(),
+            counters: self.counters.snapshot(),
+            in_flight: u32::try_from(self.held.lock().len()).unwrap_or(u32::MAX),
+        }
     }
 
     fn can_register(&self) -> bool {

@@ -183,4 +183,87 @@ fn a_scrape_says_what_the_stack_did() {
         .then_some(())
     });
     assert!(down.is_some(), "decode-1 killed but not down in /metrics");
+    workers_export_their_own(stack, served as f64);
+}
+
+/// Each worker's own `/metrics` (the shared config's `[metrics] listen` is port 0, so every
+/// daemon binds one of its own): its pool, the context it must hold, and its counters, which
+/// add up to the requests served. A worker still answers, as not registered, once kvctld is
+/// gone.
+fn workers_export_their_own(stack: &mut kvctld::stack::Stack, served: f64) {
+    let cfg = stack.config().clone();
+    let tpp = u64::from(cfg.geometry.tokens_per_page);
+    let mut addrs = Vec::new();
+    for id in ["prefill-0", "prefill-1", "decode-0"] {
+        let addr = wait_until(Duration::from_secs(10), || metrics_addr(&stack.log(id)))
+            .unwrap_or_else(|| panic!("{id} logged no metrics address:\n{}", stack.log(id)));
+        addrs.push((id, addr));
+    }
+    let mut last = String::new();
+    let ok = wait_until(Duration::from_secs(10), || {
+        let mut prefill_runs = 0.0;
+        for (id, addr) in &addrs {
+            let text = scrape(addr)?;
+            let (role, pool, need) = if id.starts_with("prefill") {
+                ("prefill", cfg.prefill.pool_pages, cfg.limits.max_context)
+            } else {
+                (
+                    "decode",
+                    cfg.decode.pool_pages,
+                    cfg.limits.max_context + cfg.limits.max_new_tokens,
+                )
+            };
+            let l = format!(r#"worker="{id}",role="{role}""#);
+            let want = [
+                (format!("kvfence_worker_up{{{l}}}"), 1.0),
+                (format!("kvfence_worker_pool_pages{{{l}}}"), f64::from(pool)),
+                (
+                    format!("kvfence_worker_pool_tokens{{{l}}}"),
+                    (u64::from(pool) * tpp) as f64,
+                ),
+                (
+                    format!("kvfence_worker_request_context_tokens{{{l}}}"),
+                    f64::from(need),
+                ),
+                (
+                    format!(r#"kvfence_worker_pages{{{l},state="free"}}"#),
+                    f64::from(pool),
+                ),
+                (format!("kvfence_worker_requests_in_flight{{{l}}}"), 0.0),
+            ];
+            for (series, v) in want {
+                if value(&text, &series) != Some(v) {
+                    last = format!("{id}: {series} is not {v}:\n{text}");
+                    return None;
+                }
+            }
+            if role == "prefill" {
+                prefill_runs += value(
+                    &text,
+                    &format!(r#"kvfence_worker_events_total{{{l},counter="prefill_runs"}}"#),
+                )?;
+            }
+        }
+        if (prefill_runs - served).abs() > 0.5 {
+            last = format!("the prefill workers ran {prefill_runs} prefills, want {served}");
+            return None;
+        }
+        Some(())
+    });
+    assert!(ok.is_some(), "a worker's /metrics never matched: {last}");
+
+    stack.kill("kvctld").expect("kill kvctld");
+    let (id, addr) = &addrs[0];
+    let alone = wait_until(Duration::from_secs(10), || {
+        let text = scrape(addr)?;
+        (value(
+            &text,
+            &format!(r#"kvfence_worker_up{{worker="{id}",role="prefill"}}"#),
+        ) == Some(0.0))
+        .then_some(())
+    });
+    assert!(
+        alone.is_some(),
+        "{id} answered no scrape as unregistered with kvctld gone"
+    );
 }

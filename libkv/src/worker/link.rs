@@ -26,11 +26,12 @@
 //! ```
 
 use crate::config::Config;
+use crate::metrics::{Board, WorkerSample, request_context_tokens};
 use crate::outbox::{Flushed, Outbox};
 use crate::pool::PoolUsage;
 use crate::proto::{
     Drain, DrainReply, ErrorCode, Header, Message, PROTOCOL_VERSION, RegisterAck, RegisterWorker,
-    Role,
+    Role, WorkerStatus,
 };
 use crate::sys::uds::{FrameReader, ReadOutcome};
 use crate::{Generation, Owner, RequestId};
@@ -262,6 +263,9 @@ pub struct Link {
     frames_received: u64,
     /// The pool's page counts in the last `PoolReport` sent on this connection.
     last_report: Option<PoolUsage>,
+    /// Where the worker's own `/metrics` reads its status, when `[metrics] listen` is set,
+    /// with the context one request may need of the pool.
+    metrics: Option<(Board<WorkerSample>, u64)>,
 }
 
 impl Link {
@@ -284,7 +288,53 @@ impl Link {
             refusal: None,
             frames_received: 0,
             last_report: None,
+            metrics: None,
         }
+    }
+
+    /// Publishes the worker's status on `board` from now on (see [`Link::publish`]).
+    pub fn publish_to(&mut self, board: Board<WorkerSample>, cfg: &Config) {
+        let context = request_context_tokens(
+            self.register.role,
+            cfg.limits.max_context,
+            cfg.limits.max_new_tokens,
+        );
+        self.metrics = Some((board, context));
+    }
+
+    /// Hands the worker's `/metrics` its status now: its pool's page counts, its counters
+    /// (after the link's own) and its requests in flight, with whether it is registered
+    /// and draining.
+    fn publish(&self, load: Load) {
+        let Some((board, context)) = &self.metrics else {
+            return;
+        };
+        let u = load.usage;
+        let mut counters = Vec::with_capacity(load.counters.len() + 1);
+        counters.push(("frames_received".to_owned(), self.frames_received));
+        counters.extend(load.counters);
+        let status = WorkerStatus {
+            id: self.register.id.clone(),
+            role: self.register.role,
+            connected: self.is_registered(),
+            drain: self.draining != Draining::No,
+            in_flight: load.in_flight,
+            held_pages: u.total - u.free,
+            transports: self.register.transports.clone(),
+            served: 0,
+            counters,
+            pool_pages: self.register.pool_pages,
+            tokens_per_page: self.register.geometry.tokens_per_page,
+            free: u.free,
+            reserved: u.reserved,
+            writing: u.writing,
+            readable: u.readable,
+            draining: u.draining,
+        };
+        board.publish(WorkerSample {
+            status,
+            context_tokens: *context,
+        });
     }
 
     /// Remembers the page counts of a `PoolReport` just sent.
@@ -717,6 +767,14 @@ impl Link {
     }
 }
 
+/// What a worker says of itself for its `/metrics` ([`Worker::load`]).
+#[derive(Clone, Debug)]
+pub struct Load {
+    pub usage: PoolUsage,
+    pub counters: Vec<(String, u64)>,
+    pub in_flight: u32,
+}
+
 /// What a worker does with the link's events; [`serve`] drives it.
 pub trait Worker {
     /// Whether the worker holds nothing (all pages free, no job), so it may register.
@@ -737,6 +795,9 @@ pub trait Worker {
     /// move between reserved, writing and readable without an event that reports them.
     /// Called every [`REPORT_EVERY`] while registered.
     fn refresh_report(&mut self, _link: &mut Link) {}
+    /// The pool's page counts, the worker's counters and its requests now, for its own
+    /// `/metrics` (asked every [`REPORT_EVERY`] when that is on).
+    fn load(&self) -> Load;
     /// Stop: abort everything (reporting `Freed` while the link is up), within the drain time.
     fn shutdown(&mut self, link: &mut Link);
 }
@@ -848,6 +909,9 @@ pub fn serve(
             if link.is_registered() {
                 worker.refresh_report(&mut link);
             }
+            if link.metrics.is_some() {
+                link.publish(worker.load());
+            }
             next_refresh = now + REPORT_EVERY;
         }
         link.flush(poll.registry(), &mut out);
@@ -860,7 +924,7 @@ pub fn serve(
                 link.timer(worker.can_register()),
                 worker.next_deadline(),
                 drain_deadline,
-                link.is_registered().then_some(next_refresh),
+                (link.is_registered() || link.metrics.is_some()).then_some(next_refresh),
             ]
             .into_iter()
             .flatten()

@@ -8,10 +8,11 @@
 
 pub mod link;
 
-pub use link::{Link, LinkError, LinkEvent, RunOptions, Shutdown, Worker, serve};
+pub use link::{Link, LinkError, LinkEvent, Load, RunOptions, Shutdown, Worker, serve};
 
 use crate::config::{Backend, Config, ConfigError, Side, TransportKind};
 use crate::memory::HostMemory;
+use crate::metrics::{Board, WorkerSample};
 use crate::model::{ModelError, ReferenceModel};
 use crate::pool::{PagePool, PoolError, PoolOptions, Reservation};
 use crate::proto::{ErrorCode, PoolReport, RegisterWorker, Role, TcpEndpoint, Transport};
@@ -84,6 +85,16 @@ pub enum WorkerError {
     /// The configured RDMA device, port or GID cannot be used.
     #[error("opening the RDMA device of [rdma]")]
     Rdma(#[source] RdmaError),
+    /// The `[metrics]` section does not name a usable address.
+    #[error("the [metrics] section")]
+    MetricsListen(#[source] ConfigError),
+    /// Starting the `/metrics` listener of `[metrics] listen` failed.
+    #[error("starting the metrics endpoint on {addr}")]
+    Metrics {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: io::Error,
+    },
     /// Starting the job threads failed.
     #[error("starting the job threads")]
     Threads(#[source] io::Error),
@@ -100,13 +111,15 @@ impl WorkerError {
             WorkerError::BackendUnavailable { .. }
             | WorkerError::PoolExceedsMemory { .. }
             | WorkerError::Model(_)
-            | WorkerError::Transfer(_) => true,
+            | WorkerError::Transfer(_)
+            | WorkerError::MetricsListen(_) => true,
             WorkerError::Rdma(e) => e.is_config(),
             WorkerError::Link(e) => e.is_config(),
             WorkerError::Memory { .. }
             | WorkerError::ReadOnlyFd(_)
             | WorkerError::Pool(_)
             | WorkerError::PageServer { .. }
+            | WorkerError::Metrics { .. }
             | WorkerError::Threads(_) => false,
         }
     }
@@ -296,6 +309,8 @@ pub struct Startup {
     pub poll: Poll,
     /// Wakes the poller (job threads, page server, [`Shutdown`]).
     pub waker: Arc<Waker>,
+    /// Where the worker's `/metrics` reads its status, when `[metrics] listen` is set.
+    pub metrics: Option<Board<WorkerSample>>,
 }
 
 impl Startup {
@@ -332,6 +347,22 @@ impl Startup {
             crate::rdma::open_node(cfg, &pool, side == Side::Prefill).map_err(WorkerError::Rdma)?;
         let poll = Poll::new().map_err(LinkError::Setup)?;
         let waker = Arc::new(Waker::new(poll.registry(), link::WAKER).map_err(LinkError::Setup)?);
+        let metrics = match cfg
+            .metrics
+            .listen_addr()
+            .map_err(WorkerError::MetricsListen)?
+        {
+            None => None,
+            Some(addr) => {
+                let daemon = match side {
+                    Side::Prefill => "prefilld",
+                    Side::Decode => "decoded",
+                };
+                let (_, board) = crate::metrics::serve_worker(addr, daemon)
+                    .map_err(|source| WorkerError::Metrics { addr, source })?;
+                Some(board)
+            }
+        };
         Ok(Startup {
             id: cfg.worker.id_or(default_id),
             side,
@@ -341,7 +372,18 @@ impl Startup {
             rdma,
             poll,
             waker,
+            metrics,
         })
+    }
+
+    /// The link to kvctld that registers with `register` (attaching the read-only pool fd,
+    /// if this worker has one) and publishes to the worker's `/metrics`, when it is on.
+    pub fn link(&mut self, cfg: &Config, register: RegisterWorker) -> Link {
+        let mut link = Link::new(cfg, register, self.read_only_fd.take());
+        if let Some(board) = self.metrics.take() {
+            link.publish_to(board, cfg);
+        }
+        link
     }
 
     /// The `RegisterWorker` of this worker: its id, role, geometry and pool size, with the
