@@ -12,6 +12,7 @@ use libkv::sys::uds::{read_frame_timeout, send_frame};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -59,9 +60,11 @@ impl Fake {
         ]));
         let listener = UnixListener::bind(&socket).unwrap();
         thread::spawn(move || {
+            let queries = Arc::new(AtomicU64::new(0));
             for s in listener.incoming().flatten() {
                 let workers = Arc::clone(&workers);
-                thread::spawn(move || serve(&s, &workers));
+                let queries = Arc::clone(&queries);
+                thread::spawn(move || serve(&s, &workers, &queries));
             }
         });
         Fake { _dir: dir, socket }
@@ -88,7 +91,8 @@ fn kvctl_at(socket: &Path, args: &[&str]) -> Output {
     out
 }
 
-fn serve(s: &UnixStream, workers: &Mutex<Vec<WorkerStatus>>) {
+/// Answers one connection; `queries` counts the status queries of this fake.
+fn serve(s: &UnixStream, workers: &Mutex<Vec<WorkerStatus>>, queries: &AtomicU64) {
     let send = |id: u64, msg: Message| {
         let frame = msg.encode(libkv::RequestId(id)).unwrap();
         send_frame(s, &frame, &[]).is_ok()
@@ -116,7 +120,18 @@ fn serve(s: &UnixStream, workers: &Mutex<Vec<WorkerStatus>>) {
                     max_context: 256,
                     max_new_tokens: 64,
                     workers: workers.clone(),
-                    counters: vec![("admitted".into(), 42), ("rejected".into(), 1)],
+                    counters: {
+                        // Every query finds 10 more requests completed, whose transfers
+                        // took 2.5 ms each.
+                        let n = queries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        vec![
+                            ("admitted".into(), 42),
+                            ("rejected".into(), 1),
+                            ("completed".into(), 10 * n),
+                            ("latency_transfer_count".into(), 10 * n),
+                            ("latency_transfer_us".into(), 25_000 * n),
+                        ]
+                    },
                     transport: Some(Transport::Tcp),
                 };
                 send(0, reply.into())
@@ -224,6 +239,48 @@ fn status_lists_every_worker_with_its_state() {
     assert_eq!(workers[3]["drain"], true);
     assert_eq!(workers[3]["safe_to_stop"], false);
     assert_eq!(v["counters"]["admitted"], 42);
+}
+
+#[test]
+fn top_shows_frames_with_rates_and_means_over_each_interval() {
+    let fake = Fake::start();
+    let out = fake.kvctl(&["top", "--interval-ms", "100", "--iterations", "3"]);
+    assert!(out.status.success(), "{out:?}");
+    let text = stdout(&out);
+    let frames: Vec<&str> = text
+        .split("\n\n")
+        .filter(|f| f.starts_with("kvfence top"))
+        .collect();
+    assert_eq!(frames.len(), 3, "{text}");
+    assert!(
+        frames[0].contains("completed -"),
+        "no rate in the first frame: {text}"
+    );
+    for f in &frames[1..] {
+        // 10 requests per query, queries at least 100 ms apart: above 0, at most 100/s.
+        let rate: f64 = f
+            .split("completed ")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|r| r.parse().ok())
+            .unwrap_or_else(|| panic!("no completed rate: {f}"));
+        assert!(rate > 0.0 && rate <= 100.5, "{rate}: {f}");
+        assert!(f.contains("transfer 2.50"), "mean transfer latency: {f}");
+    }
+    for f in &frames {
+        for id in ["prefill-1", "prefill-10", "decode-0", STUCK] {
+            assert!(
+                f.lines().any(|l| l.split_whitespace().next() == Some(id)),
+                "no {id}: {f}"
+            );
+        }
+    }
+    let out = fake.kvctl(&["--json", "top", "--iterations", "1"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        json(&out)["error"].as_str().unwrap().contains("status"),
+        "{out:?}"
+    );
 }
 
 #[test]

@@ -1426,6 +1426,7 @@ impl Core {
                 counters.push((name.into(), v));
             }
         }
+        counters.extend(self.latencies.counters());
         counters.extend(extra.iter().cloned());
         counters.truncate(proto::MAX_COUNTERS);
         StatusReply {

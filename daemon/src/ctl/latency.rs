@@ -49,6 +49,27 @@ impl Latencies {
     pub fn stage(&mut self, stage: Stage) -> &mut Histogram {
         &mut self.stages[stage.index()]
     }
+
+    /// Each histogram's count and sum as status counters, `latency_NAME_count` and
+    /// `latency_NAME_us` (NAME a stage's label, `first_token` or `request`): two readings
+    /// a while apart give the mean latency between them (`kvctl top`).
+    pub fn counters(&self) -> Vec<(String, u64)> {
+        let named = Stage::ALL
+            .iter()
+            .map(|s| (s.label(), &self.stages[s.index()]))
+            .chain([
+                ("first_token", &self.first_token),
+                ("request", &self.request),
+            ]);
+        let mut out = Vec::new();
+        for (name, h) in named {
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            let us = (h.sum_s * 1e6).round() as u64;
+            out.push((format!("latency_{name}_count"), h.count));
+            out.push((format!("latency_{name}_us"), us));
+        }
+        out
+    }
 }
 
 #[cfg(test)]
@@ -66,5 +87,20 @@ mod tests {
         assert_eq!(h.counts[BUCKETS_S.len()], 1, "above every bound");
         assert_eq!(h.count, 3);
         assert!((h.sum_s - 60.000_201).abs() < 1e-9);
+    }
+
+    #[test]
+    fn counters_carry_every_count_and_sum() {
+        let mut l = Latencies::default();
+        l.stage(Stage::Pulling).observe(Duration::from_micros(1500));
+        l.stage(Stage::Pulling).observe(Duration::from_micros(500));
+        l.request.observe(Duration::from_millis(3));
+        let c = l.counters();
+        let get = |n: &str| c.iter().find(|(k, _)| k == n).map(|(_, v)| *v);
+        assert_eq!(get("latency_transfer_count"), Some(2));
+        assert_eq!(get("latency_transfer_us"), Some(2000));
+        assert_eq!(get("latency_request_us"), Some(3000));
+        assert_eq!(get("latency_first_token_count"), Some(0));
+        assert_eq!(c.len(), 2 * (Stage::ALL.len() + 2));
     }
 }

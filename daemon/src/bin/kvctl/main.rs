@@ -3,6 +3,7 @@
 //! ```text
 //! kvctl [--socket PATH | --config PATH] [--json] [-v] generate --tenant T [--max-new N] [--deadline-ms MS] (PROMPT | --prompt-file PATH | -)
 //! kvctl [--socket PATH | --config PATH] [--json] [-v] status
+//! kvctl [--socket PATH | --config PATH] top [--interval-ms MS] [--iterations N]
 //! kvctl [--socket PATH | --config PATH] [--json] drain ID [--wait [--timeout-ms MS]]
 //! kvctl [--socket PATH | --config PATH] [--json] undrain ID
 //! kvctl --config PATH [--json] probe [--max-new N]
@@ -12,7 +13,8 @@
 //! `status` lists every worker kvctld knows (id, role, pool, requests in flight, drain
 //! state, whether it is idle: a drained worker that is idle is safe to stop). `drain` keeps
 //! new requests off a worker, `--wait` then waits until it is idle (exit 4 if it is not by
-//! the timeout); `undrain` takes it back.
+//! the timeout); `undrain` takes it back. `top` ([`top`]) refreshes the workers, their
+//! pages by state, request rates and mean stage latencies every interval.
 //!
 //! Exit codes (see `kvctld::client::exit`): 0 ok, 1 usage or bad request, 3 rejected,
 //! 4 temporary (pool full, timeout, shutting down; a drain not idle in time), 5 failed in
@@ -62,6 +64,9 @@ Commands for operators:
                                 STATE: busy, idle, draining, \"safe to stop\" (drained and
                                 idle) or disconnected; then kvctld's counters (-v: each
                                 worker's pages by state and its own counters)
+  kvctl top                     live view: request rates, mean latency per stage, every
+                                worker's pages by state (free, reserved, writing, readable,
+                                draining) and requests served per second
   kvctl drain ID --wait         keep new requests off worker ID and wait until it is idle,
                                 then stop it (systemctl stop prefilld@ID)
   kvctl undrain ID              let new requests reach worker ID again
@@ -123,6 +128,17 @@ enum Command {
     /// Show every worker (pool, free pages, requests in flight, transports, drain state,
     /// whether it is safe to stop), limits and counters.
     Status,
+    /// A live view of kvctld: request rates, mean latency per stage over the last interval,
+    /// every worker's pages by state and requests served per second.
+    Top {
+        /// Refresh every this many milliseconds.
+        #[arg(long = "interval-ms", default_value_t = 1000,
+              value_parser = clap::value_parser!(u64).range(50..=3_600_000))]
+        interval_ms: u64,
+        /// Stop after this many frames [default: run until interrupted].
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        iterations: Option<u64>,
+    },
     /// Keep new requests off a worker; requests in flight on it finish. A drained worker
     /// that is idle is safe to stop.
     Drain {
@@ -203,6 +219,8 @@ macro_rules! outln {
     () => { out(format_args!("")) };
     ($($arg:tt)*) => { out(format_args!($($arg)*)) };
 }
+
+mod top;
 
 /// `eprintln!` that never panics: a closed stderr loses the message.
 macro_rules! errln {
@@ -310,6 +328,10 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             generate(cli, tenant, *max_new, deadline_ms.unwrap_or(0), &prompt)
         }
         Command::Status => status(cli),
+        Command::Top {
+            interval_ms,
+            iterations,
+        } => top::top(cli, Duration::from_millis(*interval_ms), *iterations),
         Command::Drain {
             id,
             wait,
