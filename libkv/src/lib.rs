@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod model;
 pub mod outbox;
 pub mod pool;
+pub mod progress;
 pub mod proto;
 pub mod rdma;
 pub mod sys;

@@ -461,7 +461,11 @@ fn killing_any_process_of_several_workers_fails_requests_cleanly_and_leaks_no_pa
     let mut verify_failed = Incarnations::default();
     let mut violations: Vec<String> = Vec::new();
 
+    // Shown only on a terminal (`cargo test -- --nocapture` of the long campaign), never in CI.
+    let progress = libkv::progress::bar(victims.len() as u64, "kills");
     for (round, victim) in victims.iter().enumerate() {
+        progress.set_message(victim.clone());
+        progress.inc(1);
         let round_start = Instant::now();
         let kills_before = tally.victims[victim].kills;
         let phase = Phase::ALL[(first_phase[victim] + kills_before) % 3];
@@ -674,6 +678,7 @@ fn killing_any_process_of_several_workers_fails_requests_cleanly_and_leaks_no_pa
         "verify_failed grew with no kill since the last round: {verify_grew:?}"
     );
 
+    progress.finish_and_clear();
     let failed: usize = tally.failed.values().sum();
     let in_flight: usize = tally.victims.values().map(|v| v.in_flight).sum();
     let lost_named: usize = tally.victims.values().map(|v| v.lost_named).sum();

@@ -127,7 +127,9 @@ fn main() -> ExitCode {
     let (mut decide, mut lifecycle) = (Duration::ZERO, Duration::ZERO);
     let mut decisions = 0u64;
     let mut actions: Vec<Action> = Vec::new();
+    let progress = libkv::progress::bar(args.rounds as u64, "rounds");
     for _ in 0..args.rounds {
+        progress.inc(1);
         // The frames as the event loop hands them over, decoded: built outside the timing.
         let submits: Vec<Submit> = (0..args.batch)
             .map(|_| Submit {
@@ -151,6 +153,7 @@ fn main() -> ExitCode {
         }
         lifecycle += t.elapsed();
     }
+    progress.finish_and_clear();
     if core.in_flight() != 0 || core.check_ledgers().is_err() {
         eprintln!("kvcorebench: requests or pages left at the end");
         return ExitCode::from(2);

@@ -102,11 +102,14 @@ fn main() -> ExitCode {
         args.clients, args.per_client, args.prompt, args.max_new, args.rounds
     );
     let (mut r1, mut r2) = (Vec::new(), Vec::new());
+    let progress = libkv::progress::bar(2 * u64::from(args.rounds), "rounds");
     for i in 0..args.rounds {
         for (stack, out, label) in [(&one, &mut r1, "1 + 1"), (&two, &mut r2, "2 + 2")] {
-            match round(stack, &args) {
+            let measured = round(stack, &args);
+            progress.inc(1);
+            match measured {
                 Ok(rps) => {
-                    println!("  round {i}: {label}: {rps:.0} requests/s");
+                    progress.suspend(|| println!("  round {i}: {label}: {rps:.0} requests/s"));
                     out.push(rps);
                 }
                 Err(e) => {
@@ -117,6 +120,7 @@ fn main() -> ExitCode {
             std::thread::sleep(Duration::from_millis(200));
         }
     }
+    progress.finish_and_clear();
     let ratios: Vec<f64> = r1.iter().zip(&r2).map(|(a, b)| b / a).collect();
     let (lo, hi) = ratios
         .iter()

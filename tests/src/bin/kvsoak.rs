@@ -162,6 +162,8 @@ struct Load<'a> {
     decode_ids: &'a [String],
     /// Requests each worker of the stack served with the right output, by id.
     served: &'a Mutex<BTreeMap<String, u64>>,
+    /// Requests issued, on a terminal.
+    progress: &'a libkv::progress::ProgressBar,
 }
 
 impl Load<'_> {
@@ -176,6 +178,7 @@ impl Load<'_> {
             if n >= args.requests || Instant::now() >= self.stop_at {
                 break;
             }
+            self.progress.inc(1);
             let tenant = u32::try_from(rng.below(u64::from(args.tenants))).unwrap_or(0);
             let name = format!("tenant{tenant}");
             let oversize = rng.below(20) == 0;
@@ -350,6 +353,7 @@ fn main() -> ExitCode {
     let problems = Mutex::new(Vec::new());
     let started = Instant::now();
     let secrets: Vec<String> = (0..args.tenants).map(secret).collect();
+    let progress = libkv::progress::bar(args.requests, "requests");
     let load = Load {
         args: &args,
         socket: &socket,
@@ -362,6 +366,7 @@ fn main() -> ExitCode {
         prefill_ids: &prefill_ids,
         decode_ids: &decode_ids,
         served: &served,
+        progress: &progress,
     };
     std::thread::scope(|s| {
         for t in 0..args.concurrency {
@@ -369,6 +374,7 @@ fn main() -> ExitCode {
             s.spawn(move || load.run(t));
         }
     });
+    progress.finish_and_clear();
     let elapsed = started.elapsed();
 
     // Every page of every worker must come back once the load stops: waited for, since a

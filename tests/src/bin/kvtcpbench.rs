@@ -752,8 +752,10 @@ fn main() -> ExitCode {
         .collect();
     let mut log = Log::default();
     let rounds = args.rounds.max(1);
+    let progress = libkv::progress::bar(u64::from(rounds), "rounds");
     for round in 1..=rounds {
-        println!("round {round}/{rounds}");
+        progress.inc(1);
+        progress.suspend(|| println!("round {round}/{rounds}"));
         for &streams in &args.streams {
             match iperf3(args.iperf_seconds, streams) {
                 Ok((r, cost)) => {
@@ -794,6 +796,7 @@ fn main() -> ExitCode {
             }
         }
     }
+    progress.finish_and_clear();
     log.close();
 
     let quiet = args.quiet_pressure;
