@@ -6,6 +6,7 @@
 //! `DESIGN.md` for the objectives, the trust model and the page ownership states.
 
 pub mod admission;
+pub mod chart;
 pub mod config;
 pub mod geometry;
 pub mod ids;

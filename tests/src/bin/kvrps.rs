@@ -1,6 +1,9 @@
-//! kvrps: end-to-end requests per second of the local stack on shared memory, one prefill and
-//! one decode worker against two of each, side by side in one run. A benchmark, not a test:
-//! it prints figures and asserts only that every request succeeded.
+//! kvrps: end-to-end requests per second of the local stack on shared memory, side by side
+//! in one run: one prefill and one decode worker against two of each (`--compare workers`,
+//! the default), or two of each without metrics against two of each with `/metrics` on
+//! every daemon, each scraped every `--scrape-ms` while measured (`--compare metrics`: what
+//! metrics cost the hot path). A benchmark, not a test: it prints figures and asserts only
+//! that every request succeeded. `--svg PATH` also draws the rounds as a chart.
 //!
 //! Both stacks run at once (two kvctld, each with its own socket directory), idle while the
 //! other is measured; rounds alternate between them so that a change of load on the machine
@@ -36,10 +39,30 @@ struct Args {
     /// New tokens per request.
     #[arg(long, default_value_t = 16)]
     max_new: u32,
+    /// What the two stacks differ in: `workers` (1 + 1 against 2 + 2) or `metrics` (2 + 2
+    /// without, and with `/metrics` on every daemon, scraped every `--scrape-ms`).
+    #[arg(long, default_value = "workers", value_parser = ["workers", "metrics"])]
+    compare: String,
+    /// With `--compare metrics`: how often every daemon's `/metrics` is scraped while its
+    /// stack is measured, in ms (Prometheus's default is 15000).
+    #[arg(long, default_value_t = 1000)]
+    scrape_ms: u64,
+    /// Also write the requests per second of every round as an SVG bar chart here.
+    #[arg(long, value_name = "PATH")]
+    svg: Option<std::path::PathBuf>,
 }
 
-fn start(dir: &std::path::Path, name: &str, workers: usize) -> Result<Stack, String> {
+fn start(
+    dir: &std::path::Path,
+    name: &str,
+    workers: usize,
+    metrics: bool,
+) -> Result<Stack, String> {
     let mut cfg = Config::embedded_default(dir.join(format!("{name}.sock")));
+    if metrics {
+        // One shared file: port 0 gives every daemon a port of its own.
+        cfg.metrics.listen = Some("127.0.0.1:0".into());
+    }
     cfg.control.admission_queue = 4096;
     cfg.deadlines.request = 60_000;
     cfg.deadlines.admission_wait = 30_000;
@@ -78,6 +101,39 @@ fn round(stack: &Stack, args: &Args) -> Result<f64, String> {
     Ok(f64::from(args.clients * args.per_client) / elapsed.as_secs_f64())
 }
 
+/// The `/metrics` addresses every daemon of `stack` logged.
+fn metrics_addrs(stack: &Stack) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let addrs: Vec<String> = stack
+            .names()
+            .iter()
+            .filter_map(|n| {
+                let log = stack.log(n);
+                let rest = log.split("metrics on http://").nth(1)?;
+                Some(rest.split('/').next()?.to_owned())
+            })
+            .collect();
+        if addrs.len() == stack.names().len() || Instant::now() >= deadline {
+            return addrs;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// One scrape of `addr`: whether it answered 200.
+fn scrape(addr: &str) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    let mut text = String::new();
+    write!(s, "GET /metrics HTTP/1.0\r\n\r\n").is_ok()
+        && s.read_to_string(&mut text).is_ok()
+        && text.starts_with("HTTP/1.0 200")
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -89,23 +145,70 @@ fn main() -> ExitCode {
         eprintln!("kvrps: no temp dir");
         return ExitCode::from(2);
     };
-    let stacks = start(dir.path(), "one", 1).and_then(|a| Ok((a, start(dir.path(), "two", 2)?)));
-    let (mut one, mut two) = match stacks {
+    let metrics = args.compare == "metrics";
+    let (labels, workers, with_metrics) = if metrics {
+        (["2 + 2", "2 + 2 with metrics"], [2, 2], [false, true])
+    } else {
+        (["1 + 1", "2 + 2"], [1, 2], [false, false])
+    };
+    let stacks = start(dir.path(), "a", workers[0], with_metrics[0])
+        .and_then(|a| Ok((a, start(dir.path(), "b", workers[1], with_metrics[1])?)));
+    let (mut a, mut b) = match stacks {
         Ok(s) => s,
         Err(e) => {
             eprintln!("kvrps: {e}");
             return ExitCode::from(2);
         }
     };
+    let scraped = if metrics {
+        metrics_addrs(&b)
+    } else {
+        Vec::new()
+    };
+    if metrics && scraped.len() != b.names().len() {
+        eprintln!("kvrps: not every daemon logged a metrics address: {scraped:?}");
+        return ExitCode::from(2);
+    }
     println!(
-        "kvrps: {} clients x {} requests per round, prompt {} tokens, {} new tokens, {} rounds",
-        args.clients, args.per_client, args.prompt, args.max_new, args.rounds
+        "kvrps: {} clients x {} requests per round, prompt {} tokens, {} new tokens, {} rounds{}",
+        args.clients,
+        args.per_client,
+        args.prompt,
+        args.max_new,
+        args.rounds,
+        if metrics {
+            format!(
+                "; {} daemons' /metrics scraped every {} ms while measured",
+                scraped.len(),
+                args.scrape_ms
+            )
+        } else {
+            String::new()
+        }
     );
     let (mut r1, mut r2) = (Vec::new(), Vec::new());
+    let mut scrapes = 0u64;
     let progress = libkv::progress::bar(2 * u64::from(args.rounds), "rounds");
     for i in 0..args.rounds {
-        for (stack, out, label) in [(&one, &mut r1, "1 + 1"), (&two, &mut r2, "2 + 2")] {
-            let measured = round(stack, &args);
+        for (stack, out, label, scrape_it) in [
+            (&a, &mut r1, labels[0], false),
+            (&b, &mut r2, labels[1], metrics),
+        ] {
+            let stop = std::sync::atomic::AtomicBool::new(false);
+            let (measured, n) = std::thread::scope(|s| {
+                let scraper = s.spawn(|| {
+                    let mut n = 0u64;
+                    while scrape_it && !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        n += scraped.iter().filter(|a| scrape(a)).count() as u64;
+                        std::thread::sleep(Duration::from_millis(args.scrape_ms));
+                    }
+                    n
+                });
+                let r = round(stack, &args);
+                stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                (r, scraper.join().unwrap_or(0))
+            });
+            scrapes += n;
             progress.inc(1);
             match measured {
                 Ok(rps) => {
@@ -125,12 +228,48 @@ fn main() -> ExitCode {
     let (lo, hi) = ratios
         .iter()
         .fold((f64::MAX, f64::MIN), |(l, h), r| (l.min(*r), h.max(*r)));
+    if let Some(path) = &args.svg {
+        let chart = libkv::chart::BarChart {
+            title: format!(
+                "kvrps: requests/s per round, {} against {}",
+                labels[1], labels[0]
+            ),
+            y_label: "requests/s".into(),
+            series: labels.iter().map(|l| (*l).to_owned()).collect(),
+            groups: r1
+                .iter()
+                .zip(&r2)
+                .enumerate()
+                .map(|(i, (x, y))| libkv::chart::Group {
+                    label: format!("round {i}"),
+                    values: vec![*x, *y],
+                })
+                .collect(),
+            reference: None,
+        };
+        if let Err(e) = chart.write_svg(path) {
+            eprintln!("kvrps: writing {}: {e}", path.display());
+            return ExitCode::from(1);
+        }
+    }
+    let mut sorted = ratios.clone();
     println!(
-        "median: 1 + 1 {:.0} requests/s, 2 + 2 {:.0} requests/s; 2 + 2 / 1 + 1 per round {lo:.2}-{hi:.2}",
+        "median: {} {:.0} requests/s, {} {:.0} requests/s; {} / {} per round {lo:.2}-{hi:.2}, \
+         median {:.3}{}",
+        labels[0],
         median(&mut r1),
-        median(&mut r2)
+        labels[1],
+        median(&mut r2),
+        labels[1],
+        labels[0],
+        median(&mut sorted),
+        if metrics {
+            format!("; {scrapes} scrapes answered")
+        } else {
+            String::new()
+        }
     );
-    let _ = one.stop();
-    let _ = two.stop();
+    let _ = a.stop();
+    let _ = b.stop();
     ExitCode::SUCCESS
 }
