@@ -62,7 +62,10 @@ impl BarChart {
             .x_label_formatter(&|x| {
                 let i = x.floor();
                 if (x - i - 0.5).abs() < 1e-6 && i >= 0.0 {
-                    labels.get(i as usize).cloned().unwrap_or_default()
+                    // A non-negative whole number below the group count (checked above).
+                    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                    let i = i as usize;
+                    labels.get(i).cloned().unwrap_or_default()
                 } else {
                     String::new()
                 }
