@@ -41,10 +41,23 @@ fn owner(n: u64) -> Owner {
     }
 }
 
-/// `kvbench [control] [transfer] [wipe]`: the sections named, or all of them.
+/// `kvbench [control] [transfer] [wipe] [--svg PATH]`: the sections named, or all of them;
+/// `--svg` also draws the transfer table's ratios as a chart.
 fn main() -> std::io::Result<()> {
     let mut out = std::io::stdout().lock();
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let svg = match args.iter().position(|a| a == "--svg") {
+        Some(i) if i + 1 < args.len() => {
+            let path = std::path::PathBuf::from(args.remove(i + 1));
+            args.remove(i);
+            Some(path)
+        }
+        Some(_) => {
+            eprintln!("kvbench: --svg needs a path");
+            std::process::exit(2);
+        }
+        None => None,
+    };
     let wanted = |name: &str| args.is_empty() || args.iter().any(|a| a == name);
     if let Some(a) = args
         .iter()
@@ -57,7 +70,12 @@ fn main() -> std::io::Result<()> {
         control(&mut out)?;
     }
     if wanted("transfer") {
-        transfer(&mut out)?;
+        let ratios = transfer(&mut out)?;
+        if let Some(path) = &svg {
+            transfer_chart(&ratios)
+                .write_svg(path)
+                .map_err(std::io::Error::other)?;
+        }
     }
     if wanted("wipe") {
         wipe_cost(&mut out)?;
@@ -356,7 +374,8 @@ fn copy_batch(source: &ForeignPool, map: &mut [u8], page: usize, b: &Batch, thre
     });
 }
 
-fn transfer(out: &mut impl Write) -> std::io::Result<()> {
+fn transfer(out: &mut impl Write) -> std::io::Result<Vec<Ratios>> {
+    let mut measured = Vec::new();
     // 64 KiB pages: 16 tokens x 1 layer x 2 (K, V) x 2 heads x 512 dims x bf16.
     let g = PageGeometry {
         tokens_per_page: 16,
@@ -419,7 +438,14 @@ fn transfer(out: &mut impl Write) -> std::io::Result<()> {
         "  batch   thr  memcpy  memcpy again     pull   /memcpy          pull+verify      \
          /memcpy          copy,then-verify heap memcpy/batch"
     )?;
-    for batch_bytes in [64usize << 10, 1 << 20, 16 << 20] {
+    const BATCHES: [usize; 3] = [64 << 10, 1 << 20, 16 << 20];
+    // Rounds of every (batch, threads) case: batches of more than one page on 1 and 2.
+    let cases: usize = BATCHES
+        .iter()
+        .map(|b| if b / page > 1 { 2 } else { 1 })
+        .sum();
+    let progress = libkv::progress::bar((cases * TRANSFER_ROUNDS) as u64, "rounds");
+    for batch_bytes in BATCHES {
         let n = (batch_bytes / page).max(1);
         let thread_counts: &[usize] = if n > 1 { &[1, 2] } else { &[1] };
         for &threads in thread_counts {
@@ -433,6 +459,7 @@ fn transfer(out: &mut impl Write) -> std::io::Result<()> {
             let mut ratios: Vec<Vec<f64>> = vec![Vec::new(); passes.len()];
             let mut memcpy = Vec::new();
             for round in 0..TRANSFER_ROUNDS {
+                progress.inc(1);
                 let p0 = cpu_pressure_us();
                 let t0 = Instant::now();
                 let mut this = vec![0.0; passes.len()];
@@ -495,9 +522,68 @@ fn transfer(out: &mut impl Write) -> std::io::Result<()> {
                 dash(p),
                 dash(h),
             )?;
+            let ratio = |p: Pass| {
+                passes
+                    .iter()
+                    .position(|&q| q == p)
+                    .filter(|&i| !ratios[i].is_empty())
+                    .map(|i| median(ratios[i].clone()))
+            };
+            measured.push(Ratios {
+                batch: human(batch_bytes),
+                threads,
+                pull: ratio(Pass::Pull),
+                pull_verify: ratio(Pass::PullVerify(threads)),
+            });
         }
     }
-    Ok(())
+    progress.finish_and_clear();
+    Ok(measured)
+}
+
+/// The medians of one row of the transfer table, for the chart.
+#[derive(Debug)]
+struct Ratios {
+    batch: String,
+    threads: usize,
+    pull: Option<f64>,
+    pull_verify: Option<f64>,
+}
+
+/// The transfer table as a chart: per batch size, the pull and the pull + verify on one
+/// thread and the pull + verify on two, each against memcpy on as many threads.
+fn transfer_chart(rows: &[Ratios]) -> libkv::chart::BarChart {
+    let mut groups: Vec<libkv::chart::Group> = Vec::new();
+    for r in rows {
+        if !groups.iter().any(|g| g.label == r.batch) {
+            groups.push(libkv::chart::Group {
+                label: r.batch.clone(),
+                values: vec![0.0; 3],
+            });
+        }
+        let g = groups
+            .iter_mut()
+            .find(|g| g.label == r.batch)
+            .expect("just added");
+        match r.threads {
+            1 => {
+                g.values[0] = r.pull.unwrap_or(0.0);
+                g.values[1] = r.pull_verify.unwrap_or(0.0);
+            }
+            _ => g.values[2] = r.pull_verify.unwrap_or(0.0),
+        }
+    }
+    libkv::chart::BarChart {
+        title: "kvbench: shared-memory pull against memcpy of the same bytes".into(),
+        y_label: "ratio to memcpy (median)".into(),
+        series: vec![
+            "pull, 1 thread".into(),
+            "pull + verify, 1 thread".into(),
+            "pull + verify, 2 threads".into(),
+        ],
+        groups,
+        reference: Some((0.9, "target for pull + verify: 0.9".into())),
+    }
 }
 
 fn range(v: &[f64]) -> (f64, f64) {
