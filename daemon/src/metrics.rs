@@ -184,6 +184,42 @@ const COUNTERS: &[CounterDef] = &[
         None,
     ),
     (
+        "pages_transferred_shm",
+        "kvfence_transport_pages",
+        "Pages moved from prefill to decode, by the transport of the pair",
+        Some(("transport", "shm")),
+    ),
+    (
+        "pages_transferred_tcp",
+        "kvfence_transport_pages",
+        "Pages moved from prefill to decode, by the transport of the pair",
+        Some(("transport", "tcp")),
+    ),
+    (
+        "pages_transferred_rdma",
+        "kvfence_transport_pages",
+        "Pages moved from prefill to decode, by the transport of the pair",
+        Some(("transport", "rdma")),
+    ),
+    (
+        "bytes_transferred_shm",
+        "kvfence_transport_bytes",
+        "Bytes moved from prefill to decode, by the transport of the pair",
+        Some(("transport", "shm")),
+    ),
+    (
+        "bytes_transferred_tcp",
+        "kvfence_transport_bytes",
+        "Bytes moved from prefill to decode, by the transport of the pair",
+        Some(("transport", "tcp")),
+    ),
+    (
+        "bytes_transferred_rdma",
+        "kvfence_transport_bytes",
+        "Bytes moved from prefill to decode, by the transport of the pair",
+        Some(("transport", "rdma")),
+    ),
+    (
         "protocol_errors",
         "kvfence_protocol_errors",
         "Frames refused as invalid or out of role",

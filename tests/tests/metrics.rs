@@ -88,6 +88,18 @@ fn a_scrape_says_what_the_stack_did() {
         check(r#"kvfence_requests_total{outcome="rejected"}"#, 1.0)?;
         check("kvfence_requests_submitted_total", served as f64 + 1.0)?;
         check("kvfence_requests_in_flight", 0.0)?;
+        // Every page moved over the shared pools, none over TCP or RDMA.
+        let bytes = get("kvfence_transferred_bytes_total")?;
+        if bytes <= 0.0 {
+            return Err("no bytes transferred".into());
+        }
+        check(r#"kvfence_transport_bytes_total{transport="shm"}"#, bytes)?;
+        check(r#"kvfence_transport_bytes_total{transport="tcp"}"#, 0.0)?;
+        check(r#"kvfence_transport_pages_total{transport="rdma"}"#, 0.0)?;
+        check(
+            r#"kvfence_transport_pages_total{transport="shm"}"#,
+            get("kvfence_transferred_pages_total")?,
+        )?;
         // Every served request went through every stage once, and the rejected one none.
         check("kvfence_request_duration_seconds_count", served as f64)?;
         check("kvfence_time_to_first_token_seconds_count", served as f64)?;

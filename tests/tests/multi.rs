@@ -169,6 +169,21 @@ fn many_workers_equal_the_monolithic_path(prefill: usize, decode: usize, transpo
         );
     }
     assert_eq!(s.transport, Some(transport), "the transport kvctld reports");
+    // kvctld counts every page moved under the transport of its pair, and only there.
+    let moved = counter(&s, "pages_transferred").unwrap_or(0);
+    let by = |t: &str| counter(&s, &format!("pages_transferred_{t}")).unwrap_or(u64::MAX);
+    let (here, others) = match transport {
+        Transport::Tcp => ("tcp", ["shm", "rdma"]),
+        _ => ("shm", ["tcp", "rdma"]),
+    };
+    assert!(
+        moved > 0 && by(here) == moved,
+        "{here}: {} of {moved} pages",
+        by(here)
+    );
+    for t in others {
+        assert_eq!(by(t), 0, "pages counted under {t} over {transport:?}");
+    }
     assert_eq!(
         counter(&s, "completed").unwrap_or(0),
         REQUESTS as u64,

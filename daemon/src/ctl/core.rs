@@ -147,6 +147,9 @@ pub struct Counters {
     pub transfers: u64,
     pub pages_transferred: u64,
     pub bytes_transferred: u64,
+    /// Pages and bytes moved, by the transport of the pair: shared memory, TCP, RDMA.
+    pub pages_by_transport: [u64; 3],
+    pub bytes_by_transport: [u64; 3],
     pub protocol_errors: u64,
     pub workers_registered: u64,
     pub workers_lost: u64,
@@ -172,6 +175,12 @@ impl Counters {
             ("transfers", self.transfers),
             ("pages_transferred", self.pages_transferred),
             ("bytes_transferred", self.bytes_transferred),
+            ("pages_transferred_shm", self.pages_by_transport[0]),
+            ("pages_transferred_tcp", self.pages_by_transport[1]),
+            ("pages_transferred_rdma", self.pages_by_transport[2]),
+            ("bytes_transferred_shm", self.bytes_by_transport[0]),
+            ("bytes_transferred_tcp", self.bytes_by_transport[1]),
+            ("bytes_transferred_rdma", self.bytes_by_transport[2]),
             ("protocol_errors", self.protocol_errors),
             ("workers_registered", self.workers_registered),
             ("workers_lost", self.workers_lost),
@@ -850,16 +859,26 @@ impl Core {
         }
         let Some((p, d)) = r.pair else { return };
         let max_new_tokens = r.spec.max_new_tokens;
-        let (Some(source), Some(dconn)) = (
-            self.workers.get(p).map(|w| w.id.clone()),
-            self.workers.get(d).map(|w| w.conn),
-        ) else {
+        let (Some(prefill), Some(decode)) = (self.workers.get(p), self.workers.get(d)) else {
             return;
         };
+        let (source, dconn) = (prefill.id.clone(), decode.conn);
+        // The transport the pair moves pages with, as decoded picks it: the shared pool where
+        // prefill has no page server, RDMA where both speak it, TCP otherwise.
+        let transport = if prefill.endpoint.is_none() {
+            0
+        } else if prefill.rdma_with(decode) {
+            2
+        } else {
+            1
+        };
         let pages = m.pages.len() as u64;
+        let bytes = pages.saturating_mul(self.cfg.geometry.bytes_per_page());
         self.counters.transfers += 1;
         self.counters.pages_transferred += pages;
-        self.counters.bytes_transferred += pages.saturating_mul(self.cfg.geometry.bytes_per_page());
+        self.counters.bytes_transferred += bytes;
+        self.counters.pages_by_transport[transport] += pages;
+        self.counters.bytes_by_transport[transport] += bytes;
         self.enter(id, Stage::Pulling, self.cfg.deadlines.transfer, now);
         let pull = PullKv {
             source,
