@@ -9,6 +9,12 @@
 //! the same 256 bytes of state, so either one's accumulators mean the same thing. Other CPUs
 //! use the crc32c crate (the SSE4.2 or ARMv8 crc32c instruction, else tables).
 //!
+//! [`Crc32c::copy`] copies bytes and absorbs them in the same pass, folding the very
+//! registers it stored: the folding runs faster than memory delivers the bytes, so a copy
+//! out of memory costs hardly more with its digest than without, and the digest is of the
+//! bytes as they were written to the destination even if the source changes during the
+//! copy.
+//!
 //! The folding is the standard one for a reflected CRC: a 128-bit lane `X` that stands for
 //! the bits `F` bits before the end of what has been absorbed is replaced by
 //! `lo(X)·k1 ⊕ hi(X)·k2`, with `k1 = x^(F+63) mod P` and `k2 = x^(F-1) mod P` (bit-reversed,
@@ -28,7 +34,8 @@ pub enum Path {
     Portable,
     /// Folding 256-bit registers: AVX2, VPCLMULQDQ, PCLMULQDQ and SSE4.2.
     Avx2,
-    /// Folding 512-bit registers: AVX-512F, VPCLMULQDQ, PCLMULQDQ and SSE4.2.
+    /// Folding 512-bit registers: AVX-512F and all the AVX2 path needs (its fused copy uses
+    /// the AVX2 path, as a copy is bound by memory either way).
     Avx512,
 }
 
@@ -47,7 +54,7 @@ impl Path {
             match self {
                 Path::Portable => true,
                 Path::Avx2 => clmul && avx2,
-                Path::Avx512 => clmul && std::is_x86_feature_detected!("avx512f"),
+                Path::Avx512 => clmul && avx2 && std::is_x86_feature_detected!("avx512f"),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -128,8 +135,17 @@ impl Crc32c {
                 Path::Avx512 => unsafe {
                     x86::avx512::fold_blocks(&mut self.acc, self.crc, blocks)
                 },
-                // SAFETY: as above.
-                Path::Avx2 => unsafe { x86::avx2::fold_blocks(&mut self.acc, self.crc, blocks) },
+                // SAFETY: as above; `blocks` is readable for its length, a non-zero multiple
+                // of BLOCK, and nothing is written (no copy).
+                Path::Avx2 => unsafe {
+                    x86::avx2::fold_blocks::<false>(
+                        &mut self.acc,
+                        self.crc,
+                        blocks.as_ptr(),
+                        std::ptr::null_mut(),
+                        blocks.len(),
+                    );
+                },
                 Path::Portable => {}
             }
             rest = tail;
@@ -137,6 +153,68 @@ impl Crc32c {
         if !rest.is_empty() {
             self.crc = crc32c::crc32c_append(self.value(), rest);
             self.acc = None;
+        }
+    }
+
+    /// Copies `src` into `dst` and absorbs the bytes copied, in one pass where the CPU folds.
+    ///
+    /// # Panics
+    /// If the two are not the same length.
+    pub fn copy(&mut self, dst: &mut [u8], src: &[u8]) {
+        assert_eq!(
+            dst.len(),
+            src.len(),
+            "a copy between slices of different lengths"
+        );
+        // SAFETY: `src` is a live slice of `dst.len()` bytes, and it cannot overlap `dst`,
+        // which is borrowed uniquely.
+        unsafe { self.copy_from_ptr(dst, src.as_ptr()) }
+    }
+
+    /// Copies `dst.len()` bytes from `src` into `dst` and absorbs what was written to `dst`.
+    /// The source may be memory another process writes during the copy: each of its bytes is
+    /// read once, and the digest is of the bytes as they landed in `dst`, never of a second
+    /// read of the source.
+    ///
+    /// # Safety
+    /// `src` must be valid for reads of `dst.len()` bytes for the duration of the call, and
+    /// must not overlap `dst`.
+    pub unsafe fn copy_from_ptr(&mut self, dst: &mut [u8], src: *const u8) {
+        let len = dst.len();
+        // Bytes copied and folded in one pass: every whole block, where the CPU folds.
+        let done = if cfg!(target_arch = "x86_64") && self.path != Path::Portable {
+            len / BLOCK * BLOCK
+        } else {
+            0
+        };
+        #[cfg(target_arch = "x86_64")]
+        if done > 0 {
+            // SAFETY: both folding paths need the AVX2 path's features, which the CPU has
+            // (`Path::available`); `src` is readable for `len >= done` bytes (the caller's
+            // contract), `dst` writable for `len`, `done` is a non-zero multiple of BLOCK,
+            // and the two do not overlap (the caller's contract).
+            unsafe {
+                x86::avx2::fold_blocks::<true>(
+                    &mut self.acc,
+                    self.crc,
+                    src,
+                    dst.as_mut_ptr(),
+                    done,
+                );
+            }
+        }
+        if done < len {
+            // SAFETY: `src + done .. src + len` is readable (the caller's contract), the
+            // destination is the rest of `dst`, and the two do not overlap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    src.add(done),
+                    dst.as_mut_ptr().add(done),
+                    len - done,
+                );
+            }
+            // What landed, read back from the destination.
+            self.update(&dst[done..]);
         }
     }
 
@@ -414,32 +492,67 @@ mod x86 {
             _mm256_xor_si256(_mm256_xor_si256(lo, hi), next)
         }
 
-        /// Folds `data` (a non-empty multiple of [`BLOCK`] bytes) into `acc`, starting the
-        /// accumulators from `crc` when there are none yet.
+        /// Register `i` of the block at `src`, stored to the same place at `dst` as well when
+        /// `COPY`: the value folded is the value stored, whatever `src` holds by then.
         ///
         /// # Safety
-        /// The CPU must have AVX2, VPCLMULQDQ, PCLMULQDQ and SSE4.2.
+        /// `src + 32 * i` must be readable for 32 bytes, and with `COPY`, `dst + 32 * i`
+        /// writable for 32 bytes, not overlapping the source.
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        unsafe fn take<const COPY: bool>(src: *const u8, dst: *mut u8, i: usize) -> __m256i {
+            // SAFETY: readable (the caller's contract); the load is unaligned.
+            let v = unsafe { _mm256_loadu_si256(src.add(32 * i).cast()) };
+            if COPY {
+                // SAFETY: writable and not overlapping (the caller's contract); unaligned.
+                unsafe { _mm256_storeu_si256(dst.add(32 * i).cast(), v) };
+            }
+            v
+        }
+
+        /// Folds the `len` bytes at `src` (a non-zero multiple of [`BLOCK`]) into `acc`,
+        /// starting the accumulators from `crc` when there are none yet. With `COPY`, stores
+        /// every register it loads to the same offset from `dst` too, and folds that value,
+        /// so what is absorbed is what `dst` was given.
+        ///
+        /// # Safety
+        /// The CPU must have AVX2, VPCLMULQDQ, PCLMULQDQ and SSE4.2. `src` must be readable
+        /// for `len` bytes; with `COPY`, `dst` must be writable for `len` bytes, and the two
+        /// must not overlap (without it `dst` is not used).
         #[target_feature(enable = "avx2,vpclmulqdq,pclmulqdq,sse4.2")]
-        pub(in super::super) unsafe fn fold_blocks(acc: &mut Option<Acc>, crc: u32, data: &[u8]) {
-            debug_assert!(!data.is_empty() && data.len().is_multiple_of(BLOCK));
-            let mut blocks = data.chunks_exact(BLOCK);
+        pub(in super::super) unsafe fn fold_blocks<const COPY: bool>(
+            acc: &mut Option<Acc>,
+            crc: u32,
+            src: *const u8,
+            dst: *mut u8,
+            len: usize,
+        ) {
+            debug_assert!(len > 0 && len.is_multiple_of(BLOCK));
+            let mut at = 0;
             let mut a = match acc {
                 Some(a) => load_acc(a),
                 None => {
-                    let Some(first) = blocks.next() else { return };
-                    let mut a = load_block(first);
+                    // SAFETY: the first block is in bounds (`len >= BLOCK`), as the caller
+                    // promises for every block.
+                    let mut a: [__m256i; REGS] =
+                        std::array::from_fn(|i| unsafe { take::<COPY>(src, dst, i) });
                     // The start state enters as an xor into the first 32 bits of the data.
                     #[allow(clippy::cast_possible_wrap)]
                     let init = _mm256_castsi128_si256(_mm_cvtsi32_si128(!crc as i32));
                     a[0] = _mm256_xor_si256(a[0], init);
+                    at = BLOCK;
                     a
                 }
             };
             let k = constants(K[REGS]);
-            for b in blocks {
-                for (x, v) in a.iter_mut().zip(load_block(b)) {
-                    *x = fold(*x, k, v);
+            while at < len {
+                // SAFETY: `at + BLOCK <= len`, within what the caller promises.
+                let (s, d) = unsafe { (src.add(at), if COPY { dst.add(at) } else { dst }) };
+                for (i, x) in a.iter_mut().enumerate() {
+                    // SAFETY: register `i < REGS` of a block in bounds.
+                    *x = fold(*x, k, unsafe { take::<COPY>(s, d, i) });
                 }
+                at += BLOCK;
             }
             let mut out = [[0u64; 8]; 4];
             let p = out.as_mut_ptr().cast::<u8>();
@@ -448,17 +561,6 @@ mod x86 {
                 unsafe { _mm256_storeu_si256(p.add(32 * i).cast(), v) };
             }
             *acc = Some(out);
-        }
-
-        /// The eight 32-byte registers of one block.
-        #[inline]
-        #[target_feature(enable = "avx2")]
-        fn load_block(b: &[u8]) -> [__m256i; REGS] {
-            assert!(b.len() >= BLOCK);
-            let p = b.as_ptr();
-            // SAFETY: `b` holds at least BLOCK = 32 * REGS bytes (asserted); the loads are
-            // unaligned.
-            std::array::from_fn(|i| unsafe { _mm256_loadu_si256(p.add(32 * i).cast()) })
         }
 
         #[inline]
@@ -589,8 +691,47 @@ mod tests {
                     c.update(piece);
                 }
                 assert_eq!(c.value(), want, "{path:?} chunk {chunk}");
+                let mut c = on(path, 0);
+                let mut dst = vec![0u8; data.len()];
+                for (d, s) in dst.chunks_mut(chunk).zip(data.chunks(chunk)) {
+                    c.copy(d, s);
+                }
+                assert_eq!(c.value(), want, "{path:?} copied in chunks of {chunk}");
+                assert!(dst == data, "{path:?} chunk {chunk}");
             }
         }
+    }
+
+    #[test]
+    fn a_fused_copy_lands_exactly_the_bytes_and_their_crc() {
+        // Into the middle of a larger buffer at odd offsets: nothing around it is touched.
+        for path in paths() {
+            for n in SIZES {
+                for (from, to) in [(0, 0), (1, 3), (7, 0), (0, 31), (17, 33)] {
+                    let src = bytes(n + from, 11);
+                    let src = &src[from..];
+                    let mut buf = vec![0xeeu8; n + to + 64];
+                    for init in [0, 0xdead_beef] {
+                        let mut c = on(path, init);
+                        c.copy(&mut buf[to..to + n], src);
+                        assert_eq!(
+                            c.value(),
+                            crc32c::crc32c_append(init, src),
+                            "{path:?} n={n} from={from} to={to}"
+                        );
+                        assert!(&buf[to..to + n] == src, "{path:?} n={n}");
+                        assert!(buf[..to].iter().all(|&b| b == 0xee));
+                        assert!(buf[to + n..].iter().all(|&b| b == 0xee));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "different lengths")]
+    fn a_fused_copy_refuses_slices_of_different_lengths() {
+        Crc32c::new(0).copy(&mut [0u8; 300], &[0u8; 301]);
     }
 
     proptest! {
@@ -598,21 +739,30 @@ mod tests {
         fn pieces_in_any_split_give_the_same_crc(
             data in proptest::collection::vec(any::<u8>(), 0..3000),
             cuts in proptest::collection::vec(0usize..3000, 0..6),
+            copies in proptest::collection::vec(any::<bool>(), 7),
             init in any::<u32>(),
         ) {
             let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(data.len())).collect();
             cuts.sort_unstable();
             let want = crc32c::crc32c_append(init, &data);
             for path in paths() {
+                // Each piece absorbed, or copied and absorbed, as `copies` says.
                 let mut c = on(path, init);
+                let mut dst = vec![0u8; data.len()];
                 let mut at = 0;
-                for cut in cuts.iter().copied().chain([data.len()]) {
-                    c.update(&data[at..cut]);
+                for (k, cut) in cuts.iter().copied().chain([data.len()]).enumerate() {
+                    if copies[k] {
+                        c.copy(&mut dst[at..cut], &data[at..cut]);
+                    } else {
+                        c.update(&data[at..cut]);
+                        dst[at..cut].copy_from_slice(&data[at..cut]);
+                    }
                     // reading the value in the middle changes nothing
                     let _ = c.value();
                     at = cut;
                 }
                 prop_assert_eq!(c.value(), want, "{:?}", path);
+                prop_assert!(dst == data);
             }
         }
     }
