@@ -7,11 +7,13 @@
 //!
 //! A pull from another process's pool ([`ForeignPool::pull`]) copies and digests in one
 //! pass: each page is copied a chunk at a time into decode's own page, and each chunk is
-//! digested from the destination right after its copy, while it is still in L1 (see
-//! [`Landing`]). A large pull can be split over a few threads, each taking a run of pages.
+//! digested from the registers its copy stored (where the CPU folds crc32c with carry-less
+//! multiplication; elsewhere from the destination right after its copy, while it is still in
+//! L1; see [`Landing::copy_in`]). A large pull can be split over a few threads, each taking a
+//! run of pages.
 
 use crate::ids::PageId;
-use crate::pool::Landing;
+use crate::pool::{Landing, Source};
 use crate::sys::memfd;
 use memmap2::MmapMut;
 use std::fmt;
@@ -135,27 +137,37 @@ impl ForeignPool {
     /// Copies bytes `offset .. offset + dst.len()` of foreign page `page` into `dst`. Returns
     /// `None` when the page id is out of range or the bytes are not all inside the page.
     pub fn copy_from_page(&self, page: PageId, offset: usize, dst: &mut [u8]) -> Option<()> {
-        let end = offset.checked_add(dst.len())?;
+        let src = self.source(page, offset, dst.len())?;
+        // SAFETY: a source of the foreign map is readable for its `dst.len()` bytes and is not
+        // decode's memory (see `source`). The bytes may be written concurrently by the owning
+        // process; we copy them as plain bytes without forming a reference and treat the
+        // result as untrusted until its digest is checked.
+        unsafe { std::ptr::copy_nonoverlapping(src.ptr(), dst.as_mut_ptr(), dst.len()) };
+        Some(())
+    }
+
+    /// Bytes `offset .. offset + len` of foreign page `page`, to copy into a [`Landing`].
+    /// `None` when the page id is out of range or the bytes are not all inside the page.
+    pub fn source(&self, page: PageId, offset: usize, len: usize) -> Option<Source<'_>> {
+        let end = offset.checked_add(len)?;
         if page.0 >= self.pages || end as u64 > self.page_bytes {
             return None;
         }
         let start = usize::try_from(u64::from(page.0) * self.page_bytes).ok()? + offset;
-        let src = self.map.as_ptr();
-        // SAFETY: `start + dst.len()` is within the mapping (page < pages, offset + len within
-        // the page, and the mapping is pages * page_bytes long, sealed against shrinking). The
-        // source bytes may be written concurrently by the owning process; we copy them as
-        // plain bytes without forming a reference and treat the result as untrusted until
-        // its digest is checked.
-        unsafe { std::ptr::copy_nonoverlapping(src.add(start), dst.as_mut_ptr(), dst.len()) };
-        Some(())
+        // SAFETY: `start + len` is within the mapping (page < pages, offset + len within the
+        // page, and the mapping is pages * page_bytes long, sealed against shrinking), which
+        // lives as long as `self`. It is a read-only map of another pool's memory, never of
+        // pages a landing fills. The owning process may write the bytes during a copy; they
+        // are read only through raw pointers.
+        Some(unsafe { Source::from_raw(self.map.as_ptr().add(start), len) })
     }
 
     /// Pulls foreign `pages`, in order, into `landing` (one landing page per foreign page, of
     /// the same size), on up to `threads` threads (1: this one only): each page is copied
-    /// [`PULL_CHUNK`] bytes at a time and each chunk digested from the destination right
-    /// after its copy. `keep_going` is asked between pages (on every thread); when it says
-    /// stop, the pull ends with [`PullError::Stopped`] once every thread has finished its
-    /// page.
+    /// [`PULL_CHUNK`] bytes at a time and each chunk digested as it is copied
+    /// ([`Landing::copy_in`]). `keep_going` is asked between pages (on every thread); when it
+    /// says stop, the pull ends with [`PullError::Stopped`] once every thread has finished
+    /// its page.
     pub fn pull(
         &self,
         pages: &[PageId],
@@ -237,13 +249,11 @@ impl ForeignPool {
                 }
                 let mut offset = 0;
                 while offset < page_len {
-                    let n = landing.fill(PULL_CHUNK, |dst| {
-                        self.copy_from_page(page, offset, dst)
-                            .map(|()| dst.len())
-                            .ok_or(PullError::OutOfRange {
-                                page,
-                                pages: self.pages,
-                            })
+                    let n = landing.copy_in(PULL_CHUNK, |len| {
+                        self.source(page, offset, len).ok_or(PullError::OutOfRange {
+                            page,
+                            pages: self.pages,
+                        })
                     })?;
                     offset += n;
                 }
@@ -257,8 +267,8 @@ impl ForeignPool {
     }
 }
 
-/// Bytes a pull copies, then digests, at a time: small enough that the digest reads the
-/// chunk from L1 right after the copy wrote it.
+/// Bytes a pull copies and digests at a time: small enough that where the digest is not
+/// fused with the copy it reads the chunk from L1 right after the copy wrote it.
 pub const PULL_CHUNK: usize = 4096;
 
 /// Why a pull from a foreign pool stopped.
@@ -348,12 +358,14 @@ mod tests {
         }
     }
 
-    /// Pulls foreign page 2 into a fresh one-page reservation the way [`ForeignPool::pull`]
-    /// does, a chunk at a time, calling `between` after the first chunk has landed.
+    /// Pulls foreign page 2 into a fresh one-page reservation a chunk at a time, the way
+    /// [`ForeignPool::pull`] does (`fused`: copy and digest in one pass) or with a plain copy
+    /// digested after each chunk, calling `between` after the first chunk has landed.
     fn pull_chunks(
         decode: &PagePool,
         foreign: &ForeignPool,
         id: u64,
+        fused: bool,
         between: impl FnOnce(),
     ) -> crate::pool::Reservation {
         let g = geometry();
@@ -363,14 +375,19 @@ mod tests {
         let mut between = Some(between);
         let mut offset = 0;
         while !landing.is_full() {
-            offset += landing
-                .fill(PULL_CHUNK, |dst| {
+            offset += if fused {
+                landing.copy_in(PULL_CHUNK, |len| {
+                    foreign.source(PageId(2), offset, len).ok_or(())
+                })
+            } else {
+                landing.fill(PULL_CHUNK, |dst| {
                     foreign
                         .copy_from_page(PageId(2), offset, dst)
                         .map(|()| dst.len())
                         .ok_or(())
                 })
-                .unwrap();
+            }
+            .unwrap();
             if let Some(f) = between.take() {
                 f();
             }
@@ -412,23 +429,83 @@ mod tests {
             pages: vec![PageId(2)],
             digests: vec![digest],
         };
-        // What landed is neither the page as prefill digested it nor the page as it is now.
-        for (id, digest) in [(1, before), (2, after)] {
+        for fused in [true, false] {
+            // What landed is neither the page as prefill digested it nor the page as it is now.
+            for (id, digest) in [(1, before), (2, after)] {
+                alter(false);
+                let res = pull_chunks(&decode, &foreign, id, fused, || alter(true));
+                let landed = res.with_table(|t| t.landed(res.pages()[0]));
+                assert!(landed.is_some(), "the landing recorded its digest");
+                let r = res.verify(&manifest(id, digest));
+                assert!(
+                    matches!(r, Err(VerifyError::Digest { index: 0, .. })),
+                    "fused {fused}: {r:?}"
+                );
+                assert_eq!(decode.usage().free, 4, "a failed verify frees the pages");
+            }
+            // The same pull with nothing altered verifies: the failures above are the tear.
             alter(false);
-            let res = pull_chunks(&decode, &foreign, id, || alter(true));
-            let landed = res.with_table(|t| t.landed(res.pages()[0]));
-            assert!(landed.is_some(), "the landing recorded its digest");
-            let r = res.verify(&manifest(id, digest));
-            assert!(
-                matches!(r, Err(VerifyError::Digest { index: 0, .. })),
-                "{r:?}"
-            );
-            assert_eq!(decode.usage().free, 4, "a failed verify frees the pages");
+            let res = pull_chunks(&decode, &foreign, 3, fused, || {});
+            res.verify(&manifest(3, before)).unwrap();
         }
-        // The same pull with nothing altered verifies: the failures above are the tear.
-        alter(false);
-        let res = pull_chunks(&decode, &foreign, 3, || {});
-        res.verify(&manifest(3, before)).unwrap();
+    }
+
+    #[test]
+    fn a_pull_digests_what_landed_while_prefill_rewrites_the_page() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let (_mem, mut w, foreign) = prefill(4);
+        let g = geometry();
+        let page_len = usize::try_from(g.bytes_per_page()).unwrap();
+        let decode = PagePool::host(c"kvtest-decode", g, 4, PoolOptions::default()).unwrap();
+        let before = digest_of(&w, 2);
+        let stop = AtomicBool::new(false);
+        // Prefill keeps rewriting bytes all over page 2 while decode pulls it.
+        let base = w.as_mut_ptr() as usize + 2 * page_len;
+        let torn = std::thread::scope(|scope| {
+            let writer = scope.spawn(|| {
+                let mut k = 0usize;
+                while !stop.load(Ordering::Relaxed) {
+                    let at = (k * 4099) % page_len;
+                    // SAFETY: `at` is inside page 2 of the prefill mapping, which outlives the
+                    // scope; the pull reads it only through raw pointers, as it would read
+                    // another process's memory.
+                    let p = (base + at) as *mut u8;
+                    // SAFETY: as above.
+                    unsafe { std::ptr::write_volatile(p, k.to_le_bytes()[0]) };
+                    k += 1;
+                }
+            });
+            // Ends the writer however the pulls end, a failed assertion included.
+            struct Stop<'a>(&'a AtomicBool);
+            impl Drop for Stop<'_> {
+                fn drop(&mut self) {
+                    self.0.store(true, Ordering::Relaxed);
+                }
+            }
+            let stop = Stop(&stop);
+            let mut torn = 0;
+            for id in 0..200 {
+                let res = pull_chunks(&decode, &foreign, id, true, || {});
+                let Some(landed) = res.with_table(|t| t.landed(res.pages()[0])) else {
+                    panic!("the landing recorded no digest");
+                };
+                torn += usize::from(landed != before);
+                // The digest recorded is the digest of what the page holds, whatever the
+                // source held by the time the digest was taken.
+                let m = Manifest {
+                    owner: res.owner(),
+                    tokens: g.tokens_per_page,
+                    pages: vec![PageId(2)],
+                    digests: vec![landed],
+                };
+                let kv = res.verify(&m).unwrap();
+                assert_eq!(page_digest(kv.page(0).unwrap()), landed, "pull {id}");
+            }
+            drop(stop);
+            writer.join().unwrap();
+            torn
+        });
+        eprintln!("pulls that landed a page unlike the one prefill digested: {torn} of 200");
     }
 
     #[test]

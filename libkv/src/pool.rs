@@ -684,11 +684,14 @@ impl WriteGrant {
 }
 
 /// Where a transfer puts a run of pages: the pages are filled in order, and every byte is
-/// digested (crc32c, [`page_digest`](crate::verify::page_digest)) right after it lands,
-/// while it is still in the CPU's cache, from the bytes in the destination page itself
-/// (never from the source, which may change after the copy). When a page is complete its
-/// digest goes to the grant, and [`Reservation::verify`] compares that digest with the
-/// manifest instead of reading the page again.
+/// digested (crc32c, [`page_digest`](crate::verify::page_digest)) as it lands: a copy the
+/// CPU makes ([`Landing::copy_in`]) digests the very values it stores, in the same pass;
+/// bytes another writer delivered ([`Landing::fill`]) are digested right after they land,
+/// while they are still in the CPU's cache, from the destination page itself. Either way the
+/// digest is of what the page holds, never of a second read of the source, which may change
+/// after the copy. When a page is complete its digest goes to the grant, and
+/// [`Reservation::verify`] compares that digest with the manifest instead of reading the page
+/// again.
 ///
 /// A writer gets only the bytes not yet landed, and bytes it reports landed are digested
 /// at once and never handed out again, so every digest is of a page's final contents.
@@ -775,6 +778,40 @@ impl<'a> Landing<'a> {
         let lent = &mut page[self.filled..end];
         let n = fill(lent)?.min(end - self.filled);
         self.landed(n);
+        Ok(n)
+    }
+
+    /// Copies the next at most `max` bytes of the page being filled from the source `src`
+    /// gives for that many bytes, and digests them in the same pass (the registers the copy
+    /// stored, see [`Crc32c::copy`]), so nothing is read again. Copies as many bytes as the
+    /// source holds, if fewer. Returns that count (0 once full, without calling `src`).
+    pub fn copy_in<'s, E>(
+        &mut self,
+        max: usize,
+        src: impl FnOnce(usize) -> Result<Source<'s>, E>,
+    ) -> Result<usize, E> {
+        let Some(page) = self.pages.get_mut(self.page) else {
+            return Ok(0);
+        };
+        let end = page.len().min(self.filled.saturating_add(max));
+        let from = src(end - self.filled)?;
+        let n = from.len.min(end - self.filled);
+        let len = page.len();
+        let dst = &mut page[self.filled..self.filled + n];
+        if self.slots.is_some() {
+            // SAFETY: a `Source` is readable for its length, at least `n`, and never overlaps
+            // a landing's pages (`Source::from_raw`'s contract; a slice cannot overlap pages
+            // this landing borrows uniquely).
+            unsafe { self.crc.copy_from_ptr(dst, from.ptr) };
+        } else {
+            // SAFETY: as above.
+            unsafe { std::ptr::copy_nonoverlapping(from.ptr, dst.as_mut_ptr(), n) };
+        }
+        self.filled += n;
+        if self.filled == len {
+            self.finish_page();
+        }
+        self.skip_empty();
         Ok(n)
     }
 
@@ -880,6 +917,55 @@ impl<'a> Landing<'a> {
         while self.pages.get(self.page).is_some_and(|p| p.is_empty()) {
             self.finish_page();
         }
+    }
+}
+
+/// Bytes a [`Landing`] copies in ([`Landing::copy_in`]): a slice, or memory another process
+/// may write during the copy (the landing then digests what it copied, which is what
+/// verification must judge).
+#[derive(Clone, Copy, Debug)]
+pub struct Source<'a> {
+    ptr: *const u8,
+    len: usize,
+    bytes: std::marker::PhantomData<&'a [u8]>,
+}
+
+impl<'a> From<&'a [u8]> for Source<'a> {
+    fn from(bytes: &'a [u8]) -> Self {
+        Source {
+            ptr: bytes.as_ptr(),
+            len: bytes.len(),
+            bytes: std::marker::PhantomData,
+        }
+    }
+}
+
+impl Source<'_> {
+    /// The `len` bytes at `ptr`, which may change while they are copied.
+    ///
+    /// # Safety
+    /// `ptr` must be readable for `len` bytes for as long as the source lives, and the bytes
+    /// must not overlap any page a [`Landing`] may fill (they are read only through raw
+    /// pointers, never as a reference).
+    pub unsafe fn from_raw(ptr: *const u8, len: usize) -> Self {
+        Source {
+            ptr,
+            len,
+            bytes: std::marker::PhantomData,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Where the bytes start (to be read through raw pointers only).
+    pub(crate) fn ptr(&self) -> *const u8 {
+        self.ptr
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 }
 
@@ -1038,6 +1124,58 @@ mod tests {
             .map(|p| Some(crate::verify::page_digest(p)))
             .collect();
         assert_eq!(landed(&res), want);
+    }
+
+    #[test]
+    fn a_landing_copies_in_and_digests_in_the_same_pass() {
+        let (pool, mut res) = landing_pool();
+        let page = pool.page_bytes();
+        let stream: Vec<u8> = (0..4 * page)
+            .map(|i| u8::try_from(i % 251).unwrap())
+            .collect();
+        {
+            let mut grant = res.grant_write().unwrap();
+            let mut landing = grant.landing(0..4).unwrap();
+            let mut at = 0;
+            // Odd sizes, a source shorter than what was lent, and more than a page asked.
+            for (max, short) in [(100, false), (page, true), (3 * page, false), (300, true)] {
+                let n = landing
+                    .copy_in(max, |len| {
+                        let len = if short { len / 2 } else { len };
+                        Ok::<_, ()>(Source::from(&stream[at..at + len]))
+                    })
+                    .unwrap();
+                at += n;
+            }
+            while !landing.is_full() {
+                at += landing
+                    .copy_in(usize::MAX, |len| {
+                        Ok::<_, ()>(Source::from(&stream[at..at + len]))
+                    })
+                    .unwrap();
+            }
+            assert_eq!(at, stream.len());
+            assert_eq!(landing.copy_in(10, |_| Err(())), Ok(0), "full: not asked");
+        }
+        let want: Vec<Option<u32>> = stream
+            .chunks(page)
+            .map(|p| Some(crate::verify::page_digest(p)))
+            .collect();
+        assert_eq!(landed(&res), want);
+        let mut grant = res.grant_write().unwrap();
+        for (i, p) in stream.chunks(page).enumerate() {
+            assert!(grant.page_mut(i).unwrap() == p, "page {i}");
+        }
+        // Plain buffers: copied, nothing digested.
+        let mut bufs = [vec![0u8; 300], vec![0u8; 5]];
+        let mut plain = Landing::untracked(bufs.iter_mut().map(Vec::as_mut_slice).collect());
+        while !plain.is_full() {
+            plain
+                .copy_in(usize::MAX, |len| Ok::<_, ()>(Source::from(&stream[..len])))
+                .unwrap();
+        }
+        drop(plain);
+        assert!(bufs[0] == stream[..300] && bufs[1] == stream[..5]);
     }
 
     #[test]

@@ -1,11 +1,19 @@
 //! crc32c, the page digest, at memory speed.
 //!
 //! [`Crc32c`] absorbs bytes in any number of pieces and gives the crc32c of all of them, the
-//! same value as `crc32c::crc32c_append`. On x86-64 CPUs with AVX-512 and VPCLMULQDQ it folds
-//! 256 bytes at a time with carry-less multiplication into four 512-bit accumulators that
-//! carry over from one piece to the next, so a page digested chunk by chunk, as its bytes
-//! land, costs no more than one pass over the whole page; other CPUs use the crc32c crate
-//! (the SSE4.2 or ARMv8 crc32c instruction, else tables).
+//! same value as `crc32c::crc32c_append`. On x86-64 CPUs with VPCLMULQDQ it folds 256 bytes
+//! at a time with carry-less multiplication into accumulators that carry over from one piece
+//! to the next, so a page digested chunk by chunk, as its bytes land, costs no more than one
+//! pass over the whole page. There are two folding paths ([`Path`]), chosen at run time: four
+//! 512-bit accumulators where the CPU has AVX-512, else eight 256-bit ones (AVX2). Both keep
+//! the same 256 bytes of state, so either one's accumulators mean the same thing. Other CPUs
+//! use the crc32c crate (the SSE4.2 or ARMv8 crc32c instruction, else tables).
+//!
+//! [`Crc32c::copy`] copies bytes and absorbs them in the same pass, folding the very
+//! registers it stored: the folding runs faster than memory delivers the bytes, so a copy
+//! out of memory costs hardly more with its digest than without, and the digest is of the
+//! bytes as they were written to the destination even if the source changes during the
+//! copy.
 //!
 //! The folding is the standard one for a reflected CRC: a 128-bit lane `X` that stands for
 //! the bits `F` bits before the end of what has been absorbed is replaced by
@@ -13,16 +21,67 @@
 //! the extra `x^-1` compensating the one a reflected carry-less product carries); the last
 //! 128 bits are reduced with two crc32 instructions.
 
+/// Folding state: the bytes absorbed since the last crc, a multiple of [`BLOCK`] and at least
+/// one block, folded into one block of 16 lanes of 128 bits. Lane `i` stands for the bytes
+/// at `16 * i` of the last block; the AVX-512 path holds it as four 64-byte registers, the
+/// AVX2 path as eight 32-byte ones.
+type Acc = [[u64; 8]; 4];
+
+/// How a [`Crc32c`] absorbs bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Path {
+    /// The crc32c crate.
+    Portable,
+    /// Folding 256-bit registers: AVX2, VPCLMULQDQ, PCLMULQDQ and SSE4.2.
+    Avx2,
+    /// Folding 512-bit registers: AVX-512F and all the AVX2 path needs (its fused copy uses
+    /// the AVX2 path, as a copy is bound by memory either way).
+    Avx512,
+}
+
+impl Path {
+    /// Every path, slowest first.
+    pub const ALL: [Path; 3] = [Path::Portable, Path::Avx2, Path::Avx512];
+
+    /// Whether this CPU can take the path.
+    pub fn available(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let clmul = std::is_x86_feature_detected!("vpclmulqdq")
+                && std::is_x86_feature_detected!("pclmulqdq")
+                && std::is_x86_feature_detected!("sse4.2");
+            let avx2 = std::is_x86_feature_detected!("avx2");
+            match self {
+                Path::Portable => true,
+                Path::Avx2 => clmul && avx2,
+                Path::Avx512 => clmul && avx2 && std::is_x86_feature_detected!("avx512f"),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Path::Portable
+        }
+    }
+
+    /// The fastest path this CPU can take.
+    pub fn best() -> Path {
+        Path::ALL
+            .into_iter()
+            .rev()
+            .find(|p| p.available())
+            .unwrap_or(Path::Portable)
+    }
+}
+
 /// A crc32c being computed over bytes absorbed piece by piece.
 #[derive(Clone, Debug)]
 pub struct Crc32c {
     /// The crc32c of what was absorbed before `acc` (in `crc32c_append` form).
     crc: u32,
-    /// Folding accumulators: the bytes absorbed since `crc`, a multiple of 256 and at least
-    /// 256, folded into 64 bytes per accumulator.
-    acc: Option<[[u64; 8]; 4]>,
-    /// Whether this CPU folds (checked once, when the value is made).
-    fold: bool,
+    /// Folding accumulators for the bytes absorbed since `crc`, if any.
+    acc: Option<Acc>,
+    /// How this value absorbs bytes (one this CPU has, checked when the value is made).
+    path: Path,
 }
 
 impl Default for Crc32c {
@@ -32,33 +91,63 @@ impl Default for Crc32c {
 }
 
 impl Crc32c {
-    /// A crc32c that continues from `crc` (0 for a fresh one).
+    /// A crc32c that continues from `crc` (0 for a fresh one), on this CPU's fastest path.
     pub fn new(crc: u32) -> Self {
         Crc32c {
             crc,
             acc: None,
-            fold: accelerated(),
+            path: Path::best(),
         }
     }
 
-    /// The same, never using the folding path (for tests and comparisons).
+    /// The same, never using a folding path (for tests and comparisons).
     pub fn portable(crc: u32) -> Self {
         Crc32c {
             crc,
             acc: None,
-            fold: false,
+            path: Path::Portable,
         }
+    }
+
+    /// The same on `path`, if this CPU can take it (for tests and comparisons).
+    pub fn with_path(crc: u32, path: Path) -> Option<Self> {
+        path.available().then_some(Crc32c {
+            crc,
+            acc: None,
+            path,
+        })
+    }
+
+    /// The path this value takes.
+    pub fn path(&self) -> Path {
+        self.path
     }
 
     /// Absorbs `bytes`.
     pub fn update(&mut self, bytes: &[u8]) {
         let mut rest = bytes;
         #[cfg(target_arch = "x86_64")]
-        if self.fold && rest.len() >= BLOCK {
+        if self.path != Path::Portable && rest.len() >= BLOCK {
             let (blocks, tail) = rest.split_at(rest.len() / BLOCK * BLOCK);
-            // SAFETY: `fold` is set only where the CPU has AVX-512F and VPCLMULQDQ
-            // (`accelerated`), the features `fold_blocks` is compiled for.
-            unsafe { x86::fold_blocks(&mut self.acc, self.crc, blocks) };
+            match self.path {
+                // SAFETY: the path is set only where the CPU has its features
+                // (`Path::available`), the ones `fold_blocks` is compiled for.
+                Path::Avx512 => unsafe {
+                    x86::avx512::fold_blocks(&mut self.acc, self.crc, blocks)
+                },
+                // SAFETY: as above; `blocks` is readable for its length, a non-zero multiple
+                // of BLOCK, and nothing is written (no copy).
+                Path::Avx2 => unsafe {
+                    x86::avx2::fold_blocks::<false>(
+                        &mut self.acc,
+                        self.crc,
+                        blocks.as_ptr(),
+                        std::ptr::null_mut(),
+                        blocks.len(),
+                    );
+                },
+                Path::Portable => {}
+            }
             rest = tail;
         }
         if !rest.is_empty() {
@@ -67,14 +156,81 @@ impl Crc32c {
         }
     }
 
+    /// Copies `src` into `dst` and absorbs the bytes copied, in one pass where the CPU folds.
+    ///
+    /// # Panics
+    /// If the two are not the same length.
+    pub fn copy(&mut self, dst: &mut [u8], src: &[u8]) {
+        assert_eq!(
+            dst.len(),
+            src.len(),
+            "a copy between slices of different lengths"
+        );
+        // SAFETY: `src` is a live slice of `dst.len()` bytes, and it cannot overlap `dst`,
+        // which is borrowed uniquely.
+        unsafe { self.copy_from_ptr(dst, src.as_ptr()) }
+    }
+
+    /// Copies `dst.len()` bytes from `src` into `dst` and absorbs what was written to `dst`.
+    /// The source may be memory another process writes during the copy: each of its bytes is
+    /// read once, and the digest is of the bytes as they landed in `dst`, never of a second
+    /// read of the source.
+    ///
+    /// # Safety
+    /// `src` must be valid for reads of `dst.len()` bytes for the duration of the call, and
+    /// must not overlap `dst`.
+    pub unsafe fn copy_from_ptr(&mut self, dst: &mut [u8], src: *const u8) {
+        let len = dst.len();
+        // Bytes copied and folded in one pass: every whole block, where the CPU folds.
+        let done = if cfg!(target_arch = "x86_64") && self.path != Path::Portable {
+            len / BLOCK * BLOCK
+        } else {
+            0
+        };
+        #[cfg(target_arch = "x86_64")]
+        if done > 0 {
+            // SAFETY: both folding paths need the AVX2 path's features, which the CPU has
+            // (`Path::available`); `src` is readable for `len >= done` bytes (the caller's
+            // contract), `dst` writable for `len`, `done` is a non-zero multiple of BLOCK,
+            // and the two do not overlap (the caller's contract).
+            unsafe {
+                x86::avx2::fold_blocks::<true>(
+                    &mut self.acc,
+                    self.crc,
+                    src,
+                    dst.as_mut_ptr(),
+                    done,
+                );
+            }
+        }
+        if done < len {
+            // SAFETY: `src + done .. src + len` is readable (the caller's contract), the
+            // destination is the rest of `dst`, and the two do not overlap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    src.add(done),
+                    dst.as_mut_ptr().add(done),
+                    len - done,
+                );
+            }
+            // What landed, read back from the destination.
+            self.update(&dst[done..]);
+        }
+    }
+
     /// The crc32c of everything absorbed.
     pub fn value(&self) -> u32 {
         match &self.acc {
             None => self.crc,
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: accumulators exist only when `fold` was set, i.e. on a CPU with the
-            // features `reduce` is compiled for.
-            Some(acc) => unsafe { x86::reduce(acc) },
+            Some(acc) => match self.path {
+                // SAFETY: accumulators exist only when a folding path was taken, i.e. on a
+                // CPU with the features `reduce` is compiled for.
+                Path::Avx512 => unsafe { x86::avx512::reduce(acc) },
+                // SAFETY: as above.
+                Path::Avx2 => unsafe { x86::avx2::reduce(acc) },
+                Path::Portable => unreachable!("the portable path keeps no accumulators"),
+            },
             #[cfg(not(target_arch = "x86_64"))]
             Some(_) => self.crc,
         }
@@ -91,19 +247,9 @@ pub fn crc32c_append(crc: u32, bytes: &[u8]) -> u32 {
 /// Bytes folded per step.
 const BLOCK: usize = 256;
 
-/// Whether this CPU takes the folding path.
+/// Whether this CPU takes a folding path.
 pub fn accelerated() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx512f")
-            && std::is_x86_feature_detected!("vpclmulqdq")
-            && std::is_x86_feature_detected!("pclmulqdq")
-            && std::is_x86_feature_detected!("sse4.2")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    Path::best() != Path::Portable
 }
 
 /// `x^n mod P` for crc32c's polynomial `P` (0x1EDC6F41), bits in normal order.
@@ -135,40 +281,15 @@ const fn fold_constants(bits: u32) -> (u64, u64) {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{BLOCK, fold_constants};
+    use super::fold_constants;
     use std::arch::x86_64::{
-        __m128i, __m512i, _mm_clmulepi64_si128, _mm_crc32_u64, _mm_cvtsi32_si128,
-        _mm_cvtsi128_si64, _mm_extract_epi64, _mm_set_epi64x, _mm_xor_si128,
-        _mm512_castsi128_si512, _mm512_clmulepi64_epi128, _mm512_extracti32x4_epi32,
-        _mm512_loadu_si512, _mm512_set_epi64, _mm512_setzero_si512, _mm512_storeu_si512,
-        _mm512_ternarylogic_epi64, _mm512_xor_si512,
+        __m128i, _mm_clmulepi64_si128, _mm_crc32_u64, _mm_cvtsi128_si64, _mm_extract_epi64,
+        _mm_set_epi64x, _mm_xor_si128,
     };
 
-    const K_2048: (u64, u64) = fold_constants(2048);
-    const K_1536: (u64, u64) = fold_constants(1536);
-    const K_1024: (u64, u64) = fold_constants(1024);
-    const K_512: (u64, u64) = fold_constants(512);
-    const K_384: (u64, u64) = fold_constants(384);
-    const K_256: (u64, u64) = fold_constants(256);
     const K_128: (u64, u64) = fold_constants(128);
 
-    #[allow(clippy::cast_possible_wrap)]
-    #[inline]
-    #[target_feature(enable = "avx512f,vpclmulqdq")]
-    fn constants(k: (u64, u64)) -> __m512i {
-        let (lo, hi) = (k.0 as i64, k.1 as i64);
-        _mm512_set_epi64(hi, lo, hi, lo, hi, lo, hi, lo)
-    }
-
-    /// `x` folded forward by the distance `k` stands for, xored with `next`.
-    #[inline]
-    #[target_feature(enable = "avx512f,vpclmulqdq")]
-    fn fold(x: __m512i, k: __m512i, next: __m512i) -> __m512i {
-        let lo = _mm512_clmulepi64_epi128(x, k, 0x00);
-        let hi = _mm512_clmulepi64_epi128(x, k, 0x11);
-        _mm512_ternarylogic_epi64(lo, hi, next, 0x96)
-    }
-
+    /// Lane `x` folded forward by the distance `k` stands for.
     #[allow(clippy::cast_possible_wrap)]
     #[inline]
     #[target_feature(enable = "pclmulqdq,sse4.2")]
@@ -180,99 +301,10 @@ mod x86 {
         )
     }
 
-    /// Folds `data` (a non-empty multiple of [`BLOCK`] bytes) into `acc`, starting the
-    /// accumulators from `crc` when there are none yet.
-    ///
-    /// # Safety
-    /// The CPU must have AVX-512F, VPCLMULQDQ, PCLMULQDQ and SSE4.2.
-    #[target_feature(enable = "avx512f,vpclmulqdq,pclmulqdq,sse4.2")]
-    pub(super) unsafe fn fold_blocks(acc: &mut Option<[[u64; 8]; 4]>, crc: u32, data: &[u8]) {
-        debug_assert!(!data.is_empty() && data.len().is_multiple_of(BLOCK));
-        let mut blocks = data.chunks_exact(BLOCK);
-        let [mut a0, mut a1, mut a2, mut a3] = match acc {
-            Some(a) => load_acc(a),
-            None => {
-                let Some(first) = blocks.next() else { return };
-                // The start state enters as an xor into the first 32 bits of the data.
-                #[allow(clippy::cast_possible_wrap)]
-                let init = _mm512_castsi128_si512(_mm_cvtsi32_si128(!crc as i32));
-                let [b0, b1, b2, b3] = load_block(first);
-                [_mm512_xor_si512(b0, init), b1, b2, b3]
-            }
-        };
-        let k = constants(K_2048);
-        for b in blocks {
-            let [b0, b1, b2, b3] = load_block(b);
-            a0 = fold(a0, k, b0);
-            a1 = fold(a1, k, b1);
-            a2 = fold(a2, k, b2);
-            a3 = fold(a3, k, b3);
-        }
-        let mut out = [[0u64; 8]; 4];
-        for (o, v) in out.iter_mut().zip([a0, a1, a2, a3]) {
-            // SAFETY: `o` is 64 bytes of plain memory; the store is unaligned.
-            unsafe { _mm512_storeu_si512(o.as_mut_ptr().cast(), v) };
-        }
-        *acc = Some(out);
-    }
-
-    /// The four 64-byte quarters of one block.
+    /// The crc32c (in `crc32c_append` form) of the state folded into its last lane.
     #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn load_block(b: &[u8]) -> [__m512i; 4] {
-        assert!(b.len() >= BLOCK);
-        let p = b.as_ptr();
-        // SAFETY: `b` holds at least BLOCK = 4 * 64 bytes (asserted); the loads are
-        // unaligned.
-        unsafe {
-            [
-                _mm512_loadu_si512(p.cast()),
-                _mm512_loadu_si512(p.add(64).cast()),
-                _mm512_loadu_si512(p.add(128).cast()),
-                _mm512_loadu_si512(p.add(192).cast()),
-            ]
-        }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn load_acc(a: &[[u64; 8]; 4]) -> [__m512i; 4] {
-        // SAFETY: each accumulator is 64 bytes of plain memory; the loads are unaligned.
-        unsafe {
-            [
-                _mm512_loadu_si512(a[0].as_ptr().cast()),
-                _mm512_loadu_si512(a[1].as_ptr().cast()),
-                _mm512_loadu_si512(a[2].as_ptr().cast()),
-                _mm512_loadu_si512(a[3].as_ptr().cast()),
-            ]
-        }
-    }
-
-    /// The crc32c (in `crc32c_append` form) that the accumulators stand for.
-    ///
-    /// # Safety
-    /// As [`fold_blocks`].
-    #[target_feature(enable = "avx512f,vpclmulqdq,pclmulqdq,sse4.2")]
-    pub(super) unsafe fn reduce(acc: &[[u64; 8]; 4]) -> u32 {
-        let [a0, a1, a2, a3] = load_acc(acc);
-        let zero = _mm512_setzero_si512();
-        // The four accumulators into one 64-byte value, then its four lanes into one.
-        let x = _mm512_ternarylogic_epi64(
-            fold(a0, constants(K_1536), zero),
-            fold(a1, constants(K_1024), zero),
-            fold(a2, constants(K_512), a3),
-            0x96,
-        );
-        let lanes = [
-            _mm512_extracti32x4_epi32::<0>(x),
-            _mm512_extracti32x4_epi32::<1>(x),
-            _mm512_extracti32x4_epi32::<2>(x),
-            _mm512_extracti32x4_epi32::<3>(x),
-        ];
-        let y = _mm_xor_si128(
-            _mm_xor_si128(fold_lane(lanes[0], K_384), fold_lane(lanes[1], K_256)),
-            _mm_xor_si128(fold_lane(lanes[2], K_128), lanes[3]),
-        );
+    #[target_feature(enable = "pclmulqdq,sse4.2")]
+    fn finish(y: __m128i) -> u32 {
         #[allow(clippy::cast_sign_loss)]
         let (lo, hi) = (
             _mm_cvtsi128_si64(y) as u64,
@@ -282,6 +314,281 @@ mod x86 {
         #[allow(clippy::cast_possible_truncation)]
         let state = _mm_crc32_u64(_mm_crc32_u64(0, lo), hi) as u32;
         !state
+    }
+
+    /// Four 512-bit accumulators.
+    pub(super) mod avx512 {
+        use super::super::{Acc, BLOCK, fold_constants};
+        use super::{K_128, finish, fold_lane};
+        use std::arch::x86_64::{
+            __m512i, _mm_cvtsi32_si128, _mm_xor_si128, _mm512_castsi128_si512,
+            _mm512_clmulepi64_epi128, _mm512_extracti32x4_epi32, _mm512_loadu_si512,
+            _mm512_set_epi64, _mm512_setzero_si512, _mm512_storeu_si512, _mm512_ternarylogic_epi64,
+            _mm512_xor_si512,
+        };
+
+        const K_2048: (u64, u64) = fold_constants(2048);
+        const K_1536: (u64, u64) = fold_constants(1536);
+        const K_1024: (u64, u64) = fold_constants(1024);
+        const K_512: (u64, u64) = fold_constants(512);
+        const K_384: (u64, u64) = fold_constants(384);
+        const K_256: (u64, u64) = fold_constants(256);
+
+        #[allow(clippy::cast_possible_wrap)]
+        #[inline]
+        #[target_feature(enable = "avx512f,vpclmulqdq")]
+        fn constants(k: (u64, u64)) -> __m512i {
+            let (lo, hi) = (k.0 as i64, k.1 as i64);
+            _mm512_set_epi64(hi, lo, hi, lo, hi, lo, hi, lo)
+        }
+
+        /// `x` folded forward by the distance `k` stands for, xored with `next`.
+        #[inline]
+        #[target_feature(enable = "avx512f,vpclmulqdq")]
+        fn fold(x: __m512i, k: __m512i, next: __m512i) -> __m512i {
+            let lo = _mm512_clmulepi64_epi128(x, k, 0x00);
+            let hi = _mm512_clmulepi64_epi128(x, k, 0x11);
+            _mm512_ternarylogic_epi64(lo, hi, next, 0x96)
+        }
+
+        /// Folds `data` (a non-empty multiple of [`BLOCK`] bytes) into `acc`, starting the
+        /// accumulators from `crc` when there are none yet.
+        ///
+        /// # Safety
+        /// The CPU must have AVX-512F, VPCLMULQDQ, PCLMULQDQ and SSE4.2.
+        #[target_feature(enable = "avx512f,vpclmulqdq,pclmulqdq,sse4.2")]
+        pub(in super::super) unsafe fn fold_blocks(acc: &mut Option<Acc>, crc: u32, data: &[u8]) {
+            debug_assert!(!data.is_empty() && data.len().is_multiple_of(BLOCK));
+            let mut blocks = data.chunks_exact(BLOCK);
+            let [mut a0, mut a1, mut a2, mut a3] = match acc {
+                Some(a) => load_acc(a),
+                None => {
+                    let Some(first) = blocks.next() else { return };
+                    // The start state enters as an xor into the first 32 bits of the data.
+                    #[allow(clippy::cast_possible_wrap)]
+                    let init = _mm512_castsi128_si512(_mm_cvtsi32_si128(!crc as i32));
+                    let [b0, b1, b2, b3] = load_block(first);
+                    [_mm512_xor_si512(b0, init), b1, b2, b3]
+                }
+            };
+            let k = constants(K_2048);
+            for b in blocks {
+                let [b0, b1, b2, b3] = load_block(b);
+                a0 = fold(a0, k, b0);
+                a1 = fold(a1, k, b1);
+                a2 = fold(a2, k, b2);
+                a3 = fold(a3, k, b3);
+            }
+            let mut out = [[0u64; 8]; 4];
+            for (o, v) in out.iter_mut().zip([a0, a1, a2, a3]) {
+                // SAFETY: `o` is 64 bytes of plain memory; the store is unaligned.
+                unsafe { _mm512_storeu_si512(o.as_mut_ptr().cast(), v) };
+            }
+            *acc = Some(out);
+        }
+
+        /// The four 64-byte quarters of one block.
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        fn load_block(b: &[u8]) -> [__m512i; 4] {
+            assert!(b.len() >= BLOCK);
+            let p = b.as_ptr();
+            // SAFETY: `b` holds at least BLOCK = 4 * 64 bytes (asserted); the loads are
+            // unaligned.
+            unsafe {
+                [
+                    _mm512_loadu_si512(p.cast()),
+                    _mm512_loadu_si512(p.add(64).cast()),
+                    _mm512_loadu_si512(p.add(128).cast()),
+                    _mm512_loadu_si512(p.add(192).cast()),
+                ]
+            }
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        fn load_acc(a: &Acc) -> [__m512i; 4] {
+            // SAFETY: each accumulator is 64 bytes of plain memory; the loads are unaligned.
+            unsafe {
+                [
+                    _mm512_loadu_si512(a[0].as_ptr().cast()),
+                    _mm512_loadu_si512(a[1].as_ptr().cast()),
+                    _mm512_loadu_si512(a[2].as_ptr().cast()),
+                    _mm512_loadu_si512(a[3].as_ptr().cast()),
+                ]
+            }
+        }
+
+        /// The crc32c (in `crc32c_append` form) that the accumulators stand for.
+        ///
+        /// # Safety
+        /// As [`fold_blocks`].
+        #[target_feature(enable = "avx512f,vpclmulqdq,pclmulqdq,sse4.2")]
+        pub(in super::super) unsafe fn reduce(acc: &Acc) -> u32 {
+            let [a0, a1, a2, a3] = load_acc(acc);
+            let zero = _mm512_setzero_si512();
+            // The four accumulators into one 64-byte value, then its four lanes into one.
+            let x = _mm512_ternarylogic_epi64(
+                fold(a0, constants(K_1536), zero),
+                fold(a1, constants(K_1024), zero),
+                fold(a2, constants(K_512), a3),
+                0x96,
+            );
+            let lanes = [
+                _mm512_extracti32x4_epi32::<0>(x),
+                _mm512_extracti32x4_epi32::<1>(x),
+                _mm512_extracti32x4_epi32::<2>(x),
+                _mm512_extracti32x4_epi32::<3>(x),
+            ];
+            finish(_mm_xor_si128(
+                _mm_xor_si128(fold_lane(lanes[0], K_384), fold_lane(lanes[1], K_256)),
+                _mm_xor_si128(fold_lane(lanes[2], K_128), lanes[3]),
+            ))
+        }
+    }
+
+    /// Eight 256-bit accumulators.
+    pub(super) mod avx2 {
+        use super::super::{Acc, BLOCK, fold_constants};
+        use super::{K_128, finish, fold_lane};
+        use std::arch::x86_64::{
+            __m256i, _mm_cvtsi32_si128, _mm_xor_si128, _mm256_castsi128_si256,
+            _mm256_castsi256_si128, _mm256_clmulepi64_epi128, _mm256_extracti128_si256,
+            _mm256_loadu_si256, _mm256_set_epi64x, _mm256_setzero_si256, _mm256_storeu_si256,
+            _mm256_xor_si256,
+        };
+
+        /// Registers per block.
+        const REGS: usize = BLOCK / 32;
+
+        /// Folding constants by how many registers forward: `K[d]` folds by `d` registers.
+        const K: [(u64, u64); REGS + 1] = {
+            let mut k = [(0, 0); REGS + 1];
+            let mut d = 1;
+            while d <= REGS {
+                // At most 8 * 256 bits.
+                #[allow(clippy::cast_possible_truncation)]
+                let bits = (d * 256) as u32;
+                k[d] = fold_constants(bits);
+                d += 1;
+            }
+            k
+        };
+
+        #[allow(clippy::cast_possible_wrap)]
+        #[inline]
+        #[target_feature(enable = "avx2,vpclmulqdq")]
+        fn constants(k: (u64, u64)) -> __m256i {
+            let (lo, hi) = (k.0 as i64, k.1 as i64);
+            _mm256_set_epi64x(hi, lo, hi, lo)
+        }
+
+        /// `x` folded forward by the distance `k` stands for, xored with `next`.
+        #[inline]
+        #[target_feature(enable = "avx2,vpclmulqdq")]
+        fn fold(x: __m256i, k: __m256i, next: __m256i) -> __m256i {
+            let lo = _mm256_clmulepi64_epi128(x, k, 0x00);
+            let hi = _mm256_clmulepi64_epi128(x, k, 0x11);
+            _mm256_xor_si256(_mm256_xor_si256(lo, hi), next)
+        }
+
+        /// Register `i` of the block at `src`, stored to the same place at `dst` as well when
+        /// `COPY`: the value folded is the value stored, whatever `src` holds by then.
+        ///
+        /// # Safety
+        /// `src + 32 * i` must be readable for 32 bytes, and with `COPY`, `dst + 32 * i`
+        /// writable for 32 bytes, not overlapping the source.
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        unsafe fn take<const COPY: bool>(src: *const u8, dst: *mut u8, i: usize) -> __m256i {
+            // SAFETY: readable (the caller's contract); the load is unaligned.
+            let v = unsafe { _mm256_loadu_si256(src.add(32 * i).cast()) };
+            if COPY {
+                // SAFETY: writable and not overlapping (the caller's contract); unaligned.
+                unsafe { _mm256_storeu_si256(dst.add(32 * i).cast(), v) };
+            }
+            v
+        }
+
+        /// Folds the `len` bytes at `src` (a non-zero multiple of [`BLOCK`]) into `acc`,
+        /// starting the accumulators from `crc` when there are none yet. With `COPY`, stores
+        /// every register it loads to the same offset from `dst` too, and folds that value,
+        /// so what is absorbed is what `dst` was given.
+        ///
+        /// # Safety
+        /// The CPU must have AVX2, VPCLMULQDQ, PCLMULQDQ and SSE4.2. `src` must be readable
+        /// for `len` bytes; with `COPY`, `dst` must be writable for `len` bytes, and the two
+        /// must not overlap (without it `dst` is not used).
+        #[target_feature(enable = "avx2,vpclmulqdq,pclmulqdq,sse4.2")]
+        pub(in super::super) unsafe fn fold_blocks<const COPY: bool>(
+            acc: &mut Option<Acc>,
+            crc: u32,
+            src: *const u8,
+            dst: *mut u8,
+            len: usize,
+        ) {
+            debug_assert!(len > 0 && len.is_multiple_of(BLOCK));
+            let mut at = 0;
+            let mut a = match acc {
+                Some(a) => load_acc(a),
+                None => {
+                    // SAFETY: the first block is in bounds (`len >= BLOCK`), as the caller
+                    // promises for every block.
+                    let mut a: [__m256i; REGS] =
+                        std::array::from_fn(|i| unsafe { take::<COPY>(src, dst, i) });
+                    // The start state enters as an xor into the first 32 bits of the data.
+                    #[allow(clippy::cast_possible_wrap)]
+                    let init = _mm256_castsi128_si256(_mm_cvtsi32_si128(!crc as i32));
+                    a[0] = _mm256_xor_si256(a[0], init);
+                    at = BLOCK;
+                    a
+                }
+            };
+            let k = constants(K[REGS]);
+            while at < len {
+                // SAFETY: `at + BLOCK <= len`, within what the caller promises.
+                let (s, d) = unsafe { (src.add(at), if COPY { dst.add(at) } else { dst }) };
+                for (i, x) in a.iter_mut().enumerate() {
+                    // SAFETY: register `i < REGS` of a block in bounds.
+                    *x = fold(*x, k, unsafe { take::<COPY>(s, d, i) });
+                }
+                at += BLOCK;
+            }
+            let mut out = [[0u64; 8]; 4];
+            let p = out.as_mut_ptr().cast::<u8>();
+            for (i, v) in a.into_iter().enumerate() {
+                // SAFETY: `out` is BLOCK = 32 * REGS bytes of plain memory; unaligned.
+                unsafe { _mm256_storeu_si256(p.add(32 * i).cast(), v) };
+            }
+            *acc = Some(out);
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        fn load_acc(a: &Acc) -> [__m256i; REGS] {
+            let p = a.as_ptr().cast::<u8>();
+            // SAFETY: `a` is BLOCK = 32 * REGS bytes of plain memory; the loads are unaligned.
+            std::array::from_fn(|i| unsafe { _mm256_loadu_si256(p.add(32 * i).cast()) })
+        }
+
+        /// The crc32c (in `crc32c_append` form) that the accumulators stand for.
+        ///
+        /// # Safety
+        /// The CPU must have AVX2, VPCLMULQDQ, PCLMULQDQ and SSE4.2.
+        #[target_feature(enable = "avx2,vpclmulqdq,pclmulqdq,sse4.2")]
+        pub(in super::super) unsafe fn reduce(acc: &Acc) -> u32 {
+            let a = load_acc(acc);
+            // Every register folded forward onto the last one, then its two lanes.
+            let mut x = _mm256_setzero_si256();
+            for (i, &r) in a[..REGS - 1].iter().enumerate() {
+                x = fold(r, constants(K[REGS - 1 - i]), x);
+            }
+            let x = _mm256_xor_si256(x, a[REGS - 1]);
+            finish(_mm_xor_si128(
+                fold_lane(_mm256_castsi256_si128(x), K_128),
+                _mm256_extracti128_si256::<1>(x),
+            ))
+        }
     }
 }
 
@@ -302,47 +609,129 @@ mod tests {
             .collect()
     }
 
+    /// The paths this CPU has, each to be tested on its own.
+    fn paths() -> Vec<Path> {
+        Path::ALL.into_iter().filter(|p| p.available()).collect()
+    }
+
+    fn on(path: Path, crc: u32) -> Crc32c {
+        let c = Crc32c::with_path(crc, path).expect("an available path");
+        assert_eq!(c.path(), path);
+        c
+    }
+
+    const SIZES: [usize; 17] = [
+        0,
+        1,
+        15,
+        16,
+        31,
+        32,
+        255,
+        256,
+        257,
+        511,
+        512,
+        513,
+        768 + 32,
+        4096,
+        4096 + 255,
+        65536,
+        65536 + 77,
+    ];
+
     #[test]
     fn matches_the_crc32c_crate_at_every_size_around_the_block() {
-        for n in [
-            0,
-            1,
-            15,
-            16,
-            255,
-            256,
-            257,
-            511,
-            512,
-            513,
-            4096,
-            65536,
-            65536 + 77,
-        ] {
-            let data = bytes(n, 7);
-            for init in [0, 1, 0xdead_beef, u32::MAX] {
-                let want = crc32c::crc32c_append(init, &data);
-                assert_eq!(crc32c_append(init, &data), want, "n={n} init={init:#x}");
-                let mut p = Crc32c::portable(init);
-                p.update(&data);
-                assert_eq!(p.value(), want, "portable n={n}");
+        for path in paths() {
+            for n in SIZES {
+                let data = bytes(n, 7);
+                for init in [0, 1, 0xdead_beef, u32::MAX] {
+                    let want = crc32c::crc32c_append(init, &data);
+                    let mut c = on(path, init);
+                    c.update(&data);
+                    assert_eq!(c.value(), want, "{path:?} n={n} init={init:#x}");
+                }
             }
         }
-        // Says which path this machine's tests covered.
-        eprintln!("crc32c folding path: {}", accelerated());
+        for n in SIZES {
+            let data = bytes(n, 9);
+            assert_eq!(crc32c_append(5, &data), crc32c::crc32c_append(5, &data));
+        }
+        // Says which paths this machine's tests covered.
+        eprintln!(
+            "crc32c folding path: {:?} (tested: {:?})",
+            Path::best(),
+            paths()
+        );
+    }
+
+    #[test]
+    fn the_best_path_is_the_fastest_available_one() {
+        let best = Path::best();
+        assert!(best.available());
+        assert_eq!(Crc32c::new(0).path(), best);
+        assert_eq!(Crc32c::portable(0).path(), Path::Portable);
+        assert_eq!(accelerated(), best != Path::Portable);
+        assert!(paths().iter().all(|&p| p as u8 <= best as u8));
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("vpclmulqdq") {
+            assert_ne!(best, Path::Portable, "this CPU folds");
+            assert!(Path::Avx2.available());
+        }
     }
 
     #[test]
     fn a_long_page_in_chunks_of_every_kind() {
         let data = bytes(1 << 20, 3);
         let want = crc32c::crc32c(&data);
-        for chunk in [256, 4096, 4096 + 256, 1000, 77] {
-            let mut c = Crc32c::new(0);
-            for piece in data.chunks(chunk) {
-                c.update(piece);
+        for path in paths() {
+            for chunk in [256, 4096, 4096 + 256, 1000, 77] {
+                let mut c = on(path, 0);
+                for piece in data.chunks(chunk) {
+                    c.update(piece);
+                }
+                assert_eq!(c.value(), want, "{path:?} chunk {chunk}");
+                let mut c = on(path, 0);
+                let mut dst = vec![0u8; data.len()];
+                for (d, s) in dst.chunks_mut(chunk).zip(data.chunks(chunk)) {
+                    c.copy(d, s);
+                }
+                assert_eq!(c.value(), want, "{path:?} copied in chunks of {chunk}");
+                assert!(dst == data, "{path:?} chunk {chunk}");
             }
-            assert_eq!(c.value(), want, "chunk {chunk}");
         }
+    }
+
+    #[test]
+    fn a_fused_copy_lands_exactly_the_bytes_and_their_crc() {
+        // Into the middle of a larger buffer at odd offsets: nothing around it is touched.
+        for path in paths() {
+            for n in SIZES {
+                for (from, to) in [(0, 0), (1, 3), (7, 0), (0, 31), (17, 33)] {
+                    let src = bytes(n + from, 11);
+                    let src = &src[from..];
+                    let mut buf = vec![0xeeu8; n + to + 64];
+                    for init in [0, 0xdead_beef] {
+                        let mut c = on(path, init);
+                        c.copy(&mut buf[to..to + n], src);
+                        assert_eq!(
+                            c.value(),
+                            crc32c::crc32c_append(init, src),
+                            "{path:?} n={n} from={from} to={to}"
+                        );
+                        assert!(&buf[to..to + n] == src, "{path:?} n={n}");
+                        assert!(buf[..to].iter().all(|&b| b == 0xee));
+                        assert!(buf[to + n..].iter().all(|&b| b == 0xee));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "different lengths")]
+    fn a_fused_copy_refuses_slices_of_different_lengths() {
+        Crc32c::new(0).copy(&mut [0u8; 300], &[0u8; 301]);
     }
 
     proptest! {
@@ -350,19 +739,31 @@ mod tests {
         fn pieces_in_any_split_give_the_same_crc(
             data in proptest::collection::vec(any::<u8>(), 0..3000),
             cuts in proptest::collection::vec(0usize..3000, 0..6),
+            copies in proptest::collection::vec(any::<bool>(), 7),
             init in any::<u32>(),
         ) {
             let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(data.len())).collect();
             cuts.sort_unstable();
-            let mut c = Crc32c::new(init);
-            let mut at = 0;
-            for cut in cuts.into_iter().chain([data.len()]) {
-                c.update(&data[at..cut]);
-                // reading the value in the middle changes nothing
-                let _ = c.value();
-                at = cut;
+            let want = crc32c::crc32c_append(init, &data);
+            for path in paths() {
+                // Each piece absorbed, or copied and absorbed, as `copies` says.
+                let mut c = on(path, init);
+                let mut dst = vec![0u8; data.len()];
+                let mut at = 0;
+                for (k, cut) in cuts.iter().copied().chain([data.len()]).enumerate() {
+                    if copies[k] {
+                        c.copy(&mut dst[at..cut], &data[at..cut]);
+                    } else {
+                        c.update(&data[at..cut]);
+                        dst[at..cut].copy_from_slice(&data[at..cut]);
+                    }
+                    // reading the value in the middle changes nothing
+                    let _ = c.value();
+                    at = cut;
+                }
+                prop_assert_eq!(c.value(), want, "{:?}", path);
+                prop_assert!(dst == data);
             }
-            prop_assert_eq!(c.value(), crc32c::crc32c_append(init, &data));
         }
     }
 }
