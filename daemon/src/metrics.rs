@@ -130,6 +130,30 @@ const COUNTERS: &[CounterDef] = &[
         Some(("outcome", "rejected")),
     ),
     (
+        "rejected_bad_request",
+        "kvfence_rejections",
+        "Requests rejected for good before any worker heard of them, by reason",
+        Some(("reason", "bad_request")),
+    ),
+    (
+        "rejected_prompt_too_long",
+        "kvfence_rejections",
+        "Requests rejected for good before any worker heard of them, by reason",
+        Some(("reason", "prompt_too_long")),
+    ),
+    (
+        "rejected_max_new_too_large",
+        "kvfence_rejections",
+        "Requests rejected for good before any worker heard of them, by reason",
+        Some(("reason", "max_new_too_large")),
+    ),
+    (
+        "rejected_exceeds_capacity",
+        "kvfence_rejections",
+        "Requests rejected for good before any worker heard of them, by reason",
+        Some(("reason", "exceeds_capacity")),
+    ),
+    (
         "refused_full",
         "kvfence_requests",
         "Requests ended, by outcome",

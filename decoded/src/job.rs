@@ -17,7 +17,7 @@ use libkv::proto::TOKEN_BYTES;
 use libkv::proto::{Done, Error, ErrorCode, Message, PageRequest, PullDone, RdmaReadDone, Tokens};
 use libkv::rdma::{ClientSession, RdmaNode};
 use libkv::tcp;
-use libkv::verify::Manifest;
+use libkv::verify::{Manifest, VerifyError};
 use libkv::worker::add;
 use log::debug;
 use mio::Waker;
@@ -661,6 +661,20 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
         Ok(kv) => kv,
         Err(e) => {
             add(&counters.verify_failed, 1);
+            add(
+                match e {
+                    VerifyError::TokenCount { .. }
+                    | VerifyError::PageCount { .. }
+                    | VerifyError::DigestCount { .. } => &counters.verify_failed_coverage,
+                    VerifyError::OwnerMismatch { .. }
+                    | VerifyError::NotOwned { .. }
+                    | VerifyError::WrongState { .. }
+                    | VerifyError::Pool(_) => &counters.verify_failed_ownership,
+                    VerifyError::WriterActive => &counters.verify_failed_writer,
+                    VerifyError::Digest { .. } => &counters.verify_failed_digest,
+                },
+                1,
+            );
             return Err(failed(ErrorCode::VerifyFailed, e.to_string()));
         }
     };

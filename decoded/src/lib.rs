@@ -57,6 +57,14 @@ libkv::worker_counters! {
         bytes_pulled,
         verified,
         verify_failed,
+        /// Verification failures by reason (they add up to `verify_failed`): the manifest's
+        /// tokens, pages or digests do not cover the reservation; a page is not the request's
+        /// or not in the state to be read; a writer may still touch the pages; a digest
+        /// differs.
+        verify_failed_coverage,
+        verify_failed_ownership,
+        verify_failed_writer,
+        verify_failed_digest,
         tokens_generated,
         aborts,
         freed_pages,
@@ -824,6 +832,8 @@ mod tests {
         // No PullDone, no Tokens: the next frame is Freed.
         let report = expect_freed(&mut peer, &cfg, 1, pages);
         assert_eq!(counter(&report, "verify_failed"), 1);
+        assert_eq!(counter(&report, "verify_failed_coverage"), 1);
+        assert_eq!(counter(&report, "verify_failed_digest"), 0);
         assert_eq!(counter(&report, "verified"), 0);
         assert_eq!(counter(&report, "tokens_generated"), 0);
 
@@ -843,6 +853,8 @@ mod tests {
         assert!(reason.contains("digest"), "{reason}");
         let report = expect_freed(&mut peer, &cfg, 2, pages);
         assert_eq!(counter(&report, "verify_failed"), 2);
+        assert_eq!(counter(&report, "verify_failed_coverage"), 1);
+        assert_eq!(counter(&report, "verify_failed_digest"), 1);
         daemon.stop().unwrap();
     }
 

@@ -201,6 +201,7 @@ pub struct WorkerSeries {
     pages: Family<Labels, Gauge>,
     in_flight: Family<Labels, Gauge>,
     events: Family<Labels, Counter>,
+    verify_failures: Family<Labels, Counter>,
     /// kvctld's ledger only.
     lent: Option<Family<Labels, Gauge>>,
     served: Option<Family<Labels, Counter>>,
@@ -252,6 +253,14 @@ impl WorkerSeries {
                 "kvfence_worker_events",
                 "The worker's own counters, by name (prefill_runs, pages_served, pulls, \
                  verify_failed, windows_bound, ...)",
+            ),
+            verify_failures: counter_family(
+                registry,
+                "kvfence_worker_verify_failures",
+                "Transfers decode refused before attention, by reason: coverage (tokens, pages \
+                 or digests do not cover the reservation), ownership (a page not the \
+                 request's, or not readable), writer (a writer may still touch the pages), \
+                 digest (a page's bytes differ from the manifest's digest)",
             ),
             lent: None,
             served: None,
@@ -314,6 +323,11 @@ impl WorkerSeries {
             let mut l = labels.clone();
             l.push(("counter".to_owned(), name.clone()));
             self.events.get_or_create(&l).inc_by(*v);
+            if let Some(reason) = name.strip_prefix("verify_failed_") {
+                let mut l = labels.clone();
+                l.push(("reason".to_owned(), reason.to_owned()));
+                self.verify_failures.get_or_create(&l).inc_by(*v);
+            }
         }
     }
 }
@@ -364,7 +378,11 @@ mod tests {
             held_pages: 7,
             transports: vec![Transport::Tcp],
             served: 11,
-            counters: vec![("pulls".into(), 5), ("verify_failed".into(), 1)],
+            counters: vec![
+                ("pulls".into(), 5),
+                ("verify_failed".into(), 1),
+                ("verify_failed_digest".into(), 1),
+            ],
             pool_pages: 100,
             tokens_per_page: 16,
             free: 90,

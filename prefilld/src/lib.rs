@@ -46,6 +46,9 @@ libkv::worker_counters! {
         pages_served,
         bytes_served,
         page_requests_refused,
+        /// Page-server connections accepted, and turned away at the connection limit.
+        page_connections,
+        page_connections_refused,
         rdma_sessions,
         windows_bound,
         windows_revoked,

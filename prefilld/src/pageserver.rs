@@ -260,9 +260,11 @@ fn accept_loop(mut poll: Poll, listener: TcpListener, shared: &Arc<Shared>) {
                 }
             };
             if shared.active.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
+                libkv::worker::add(&shared.counters.page_connections_refused, 1);
                 refuse_busy(&stream);
                 continue;
             }
+            libkv::worker::add(&shared.counters.page_connections, 1);
             shared.active.fetch_add(1, Ordering::SeqCst);
             let conn_shared = Arc::clone(shared);
             let spawned = std::thread::Builder::new()
@@ -846,6 +848,12 @@ mod tests {
         let (r, bufs) = pull(&s, TOKEN, owner(1, 7), &pages_of(&f, owner(1, 7)));
         let (code, _) = refused(&s, r, &bufs);
         assert_eq!(code, ErrorCode::PoolFull);
+        let counters = &f.server.shared.counters;
+        assert_eq!(
+            counters.page_connections.load(Ordering::SeqCst),
+            MAX_CONNECTIONS as u64
+        );
+        assert_eq!(counters.page_connections_refused.load(Ordering::SeqCst), 1);
         let start = Instant::now();
         drop(f.server);
         assert!(

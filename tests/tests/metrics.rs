@@ -86,6 +86,8 @@ fn a_scrape_says_what_the_stack_did() {
             served as f64,
         )?;
         check(r#"kvfence_requests_total{outcome="rejected"}"#, 1.0)?;
+        check(r#"kvfence_rejections_total{reason="prompt_too_long"}"#, 1.0)?;
+        check(r#"kvfence_rejections_total{reason="bad_request"}"#, 0.0)?;
         check("kvfence_requests_submitted_total", served as f64 + 1.0)?;
         check("kvfence_requests_in_flight", 0.0)?;
         // Every page moved over the shared pools, none over TCP or RDMA.

@@ -147,6 +147,9 @@ pub struct Counters {
     pub transfers: u64,
     pub pages_transferred: u64,
     pub bytes_transferred: u64,
+    /// Terminal rejections by reason: a bad request, a prompt over max_context, max_new_tokens
+    /// over its limit, a request no pool of its role can ever hold.
+    pub rejected_by_reason: [u64; 4],
     /// Pages and bytes moved, by the transport of the pair: shared memory, TCP, RDMA.
     pub pages_by_transport: [u64; 3],
     pub bytes_by_transport: [u64; 3],
@@ -175,6 +178,10 @@ impl Counters {
             ("transfers", self.transfers),
             ("pages_transferred", self.pages_transferred),
             ("bytes_transferred", self.bytes_transferred),
+            ("rejected_bad_request", self.rejected_by_reason[0]),
+            ("rejected_prompt_too_long", self.rejected_by_reason[1]),
+            ("rejected_max_new_too_large", self.rejected_by_reason[2]),
+            ("rejected_exceeds_capacity", self.rejected_by_reason[3]),
             ("pages_transferred_shm", self.pages_by_transport[0]),
             ("pages_transferred_tcp", self.pages_by_transport[1]),
             ("pages_transferred_rdma", self.pages_by_transport[2]),
@@ -1106,6 +1113,14 @@ impl Core {
             Err(reason) => {
                 // Terminal: answered here, before any worker hears of the request.
                 self.counters.rejected += 1;
+                let by = match reason {
+                    admission::Rejection::BadRequest { .. } => 0,
+                    admission::Rejection::PromptExceedsContext { .. } => 1,
+                    admission::Rejection::MaxNewExceedsLimit { .. } => 2,
+                    admission::Rejection::ExceedsCapacity { .. }
+                    | admission::Rejection::PoolFull { .. } => 3,
+                };
+                self.counters.rejected_by_reason[by] += 1;
                 debug!("{id} of tenant {} rejected: {reason}", spec.tenant);
                 self.error(conn, id, ErrorCode::Rejected, reason.to_string());
                 return;
