@@ -376,3 +376,22 @@ pub fn serves_again(stack: &Stack, model: &ReferenceModel, id: &str) {
         stack.status().map(|s| find_worker(&s, id).cloned())
     );
 }
+
+/// The `IP:PORT` of the `/metrics` endpoint a daemon logged (`metrics on http://ADDR/metrics`:
+/// it binds port 0 in the tests).
+pub fn metrics_addr(log: &str) -> Option<String> {
+    let rest = log.split("metrics on http://").nth(1)?;
+    Some(rest.split('/').next()?.to_owned())
+}
+
+/// One scrape of `addr`: the body of `GET /metrics` when it answered 200.
+pub fn scrape(addr: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(s, "GET /metrics HTTP/1.0\r\nHost: kvfence\r\n\r\n").ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    (head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200")).then(|| body.to_owned())
+}

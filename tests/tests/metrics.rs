@@ -7,29 +7,8 @@
 //! Build the binaries first (`cargo build --release --bins`). Bounded in time.
 
 use kvctld::stack::{error_chain, wait_until};
-use kvfence_tests::{assert_matches, expected, model, prompt, start_stack};
-use std::io::{Read, Write};
-use std::net::TcpStream;
+use kvfence_tests::{assert_matches, expected, metrics_addr, model, prompt, scrape, start_stack};
 use std::time::Duration;
-
-/// The `http://ADDR/metrics` address kvctld logged (it binds port 0).
-fn metrics_addr(log: &str) -> Option<String> {
-    let rest = log.split("metrics on http://").nth(1)?;
-    Some(rest.split('/').next()?.to_owned())
-}
-
-/// One scrape: the body of `GET /metrics`.
-fn scrape(addr: &str) -> Option<String> {
-    let mut s = TcpStream::connect(addr).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(s, "GET /metrics HTTP/1.0\r\nHost: kvctld\r\n\r\n").ok()?;
-    let mut text = String::new();
-    s.read_to_string(&mut text).ok()?;
-    let (head, body) = text.split_once("\r\n\r\n")?;
-    head.starts_with("HTTP/1.0 200")
-        .then(|| body.to_owned())
-        .or_else(|| head.starts_with("HTTP/1.1 200").then(|| body.to_owned()))
-}
 
 /// The value of the series `series` (name and labels exactly as exposed).
 fn value(text: &str, series: &str) -> Option<f64> {

@@ -96,9 +96,7 @@ fn prometheus_scraping_a_stack_sees_the_load_it_served() {
     });
     let stack = &running.stack;
     let target = wait_until(Duration::from_secs(10), || {
-        let log = stack.log("kvctld");
-        let rest = log.split("metrics on http://").nth(1)?;
-        Some(rest.split('/').next()?.to_owned())
+        kvfence_tests::metrics_addr(&stack.log("kvctld"))
     })
     .expect("kvctld logged its metrics address");
 

@@ -150,7 +150,7 @@ pub struct Counters {
     /// Terminal rejections by reason: a bad request, a prompt over max_context, max_new_tokens
     /// over its limit, a request no pool of its role can ever hold.
     pub rejected_by_reason: [u64; 4],
-    /// Pages and bytes moved, by the transport of the pair: shared memory, TCP, RDMA.
+    /// Pages and bytes moved, by the transport of the pair ([`transport_slot`]).
     pub pages_by_transport: [u64; 3],
     pub bytes_by_transport: [u64; 3],
     pub protocol_errors: u64,
@@ -182,12 +182,30 @@ impl Counters {
             ("rejected_prompt_too_long", self.rejected_by_reason[1]),
             ("rejected_max_new_too_large", self.rejected_by_reason[2]),
             ("rejected_exceeds_capacity", self.rejected_by_reason[3]),
-            ("pages_transferred_shm", self.pages_by_transport[0]),
-            ("pages_transferred_tcp", self.pages_by_transport[1]),
-            ("pages_transferred_rdma", self.pages_by_transport[2]),
-            ("bytes_transferred_shm", self.bytes_by_transport[0]),
-            ("bytes_transferred_tcp", self.bytes_by_transport[1]),
-            ("bytes_transferred_rdma", self.bytes_by_transport[2]),
+            (
+                "pages_transferred_shm",
+                self.pages_by_transport[transport_slot(Transport::Shm)],
+            ),
+            (
+                "pages_transferred_tcp",
+                self.pages_by_transport[transport_slot(Transport::Tcp)],
+            ),
+            (
+                "pages_transferred_rdma",
+                self.pages_by_transport[transport_slot(Transport::Rdma)],
+            ),
+            (
+                "bytes_transferred_shm",
+                self.bytes_by_transport[transport_slot(Transport::Shm)],
+            ),
+            (
+                "bytes_transferred_tcp",
+                self.bytes_by_transport[transport_slot(Transport::Tcp)],
+            ),
+            (
+                "bytes_transferred_rdma",
+                self.bytes_by_transport[transport_slot(Transport::Rdma)],
+            ),
             ("protocol_errors", self.protocol_errors),
             ("workers_registered", self.workers_registered),
             ("workers_lost", self.workers_lost),
@@ -872,13 +890,13 @@ impl Core {
         let (source, dconn) = (prefill.id.clone(), decode.conn);
         // The transport the pair moves pages with, as decoded picks it: the shared pool where
         // prefill has no page server, RDMA where both speak it, TCP otherwise.
-        let transport = if prefill.endpoint.is_none() {
-            0
+        let transport = transport_slot(if prefill.endpoint.is_none() {
+            Transport::Shm
         } else if prefill.rdma_with(decode) {
-            2
+            Transport::Rdma
         } else {
-            1
-        };
+            Transport::Tcp
+        });
         let pages = m.pages.len() as u64;
         let bytes = pages.saturating_mul(self.cfg.geometry.bytes_per_page());
         self.counters.transfers += 1;
@@ -1492,6 +1510,15 @@ impl Core {
         } else {
             Transport::Tcp
         })
+    }
+}
+
+/// The index of a transport in the per-transport counters.
+const fn transport_slot(t: Transport) -> usize {
+    match t {
+        Transport::Shm => 0,
+        Transport::Tcp => 1,
+        Transport::Rdma => 2,
     }
 }
 

@@ -101,37 +101,15 @@ fn round(stack: &Stack, args: &Args) -> Result<f64, String> {
     Ok(f64::from(args.clients * args.per_client) / elapsed.as_secs_f64())
 }
 
-/// The `/metrics` addresses every daemon of `stack` logged.
-fn metrics_addrs(stack: &Stack) -> Vec<String> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let addrs: Vec<String> = stack
+/// The `/metrics` addresses of every daemon of `stack`, once each has logged its own.
+fn metrics_addrs(stack: &Stack) -> Option<Vec<String>> {
+    kvctld::stack::wait_until(Duration::from_secs(10), || {
+        stack
             .names()
             .iter()
-            .filter_map(|n| {
-                let log = stack.log(n);
-                let rest = log.split("metrics on http://").nth(1)?;
-                Some(rest.split('/').next()?.to_owned())
-            })
-            .collect();
-        if addrs.len() == stack.names().len() || Instant::now() >= deadline {
-            return addrs;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// One scrape of `addr`: whether it answered 200.
-fn scrape(addr: &str) -> bool {
-    use std::io::{Read, Write};
-    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-    let mut text = String::new();
-    write!(s, "GET /metrics HTTP/1.0\r\n\r\n").is_ok()
-        && s.read_to_string(&mut text).is_ok()
-        && text.starts_with("HTTP/1.0 200")
+            .map(|n| kvfence_tests::metrics_addr(&stack.log(n)))
+            .collect()
+    })
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -161,14 +139,14 @@ fn main() -> ExitCode {
         }
     };
     let scraped = if metrics {
-        metrics_addrs(&b)
+        let Some(addrs) = metrics_addrs(&b) else {
+            eprintln!("kvrps: not every daemon logged a metrics address within 10 s");
+            return ExitCode::from(2);
+        };
+        addrs
     } else {
         Vec::new()
     };
-    if metrics && scraped.len() != b.names().len() {
-        eprintln!("kvrps: not every daemon logged a metrics address: {scraped:?}");
-        return ExitCode::from(2);
-    }
     println!(
         "kvrps: {} clients x {} requests per round, prompt {} tokens, {} new tokens, {} rounds{}",
         args.clients,
@@ -199,7 +177,10 @@ fn main() -> ExitCode {
                 let scraper = s.spawn(|| {
                     let mut n = 0u64;
                     while scrape_it && !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                        n += scraped.iter().filter(|a| scrape(a)).count() as u64;
+                        n += scraped
+                            .iter()
+                            .filter(|a| kvfence_tests::scrape(a).is_some())
+                            .count() as u64;
                         std::thread::sleep(Duration::from_millis(args.scrape_ms));
                     }
                     n

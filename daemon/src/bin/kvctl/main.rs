@@ -684,15 +684,20 @@ fn print_counters(indent: &str, counters: &[(String, u64)]) {
     }
 }
 
-/// The table of workers: one line each; with `verbose`, then each one's pages by state
-/// and its own counters.
-fn print_workers(s: &StatusReply, workers: &[&WorkerStatus], verbose: bool) {
-    let idw = workers
+/// The width of the `worker` column of a table of `workers`.
+fn id_width(workers: &[&WorkerStatus]) -> usize {
+    workers
         .iter()
         .map(|w| w.id.len())
         .max()
         .unwrap_or(0)
-        .max("worker".len());
+        .max("worker".len())
+}
+
+/// The table of workers: one line each; with `verbose`, then each one's pages by state
+/// and its own counters.
+fn print_workers(s: &StatusReply, workers: &[&WorkerStatus], verbose: bool) {
+    let idw = id_width(workers);
     outln!(
         "{:<idw$}  {:<7}  {:<4}  {:<5}  {:<12}  {:>6}  {:>6}  {:>7}  {:>9}  {:>7}  {:<12}  {:>4}",
         "worker",

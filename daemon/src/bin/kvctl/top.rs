@@ -5,7 +5,9 @@
 //! On a terminal each frame replaces the last; otherwise (a pipe, a file, `--iterations`
 //! in a script) frames follow each other, separated by a blank line.
 
-use super::{Failure, capacity_tokens, connect, out, role_name, sorted_workers, worker_state};
+use super::{
+    Failure, capacity_tokens, connect, id_width, out, role_name, sorted_workers, worker_state,
+};
 use kvctld::client::exit;
 use libkv::proto::StatusReply;
 use std::io::IsTerminal;
@@ -156,12 +158,7 @@ pub(crate) fn frame(last: Option<&Reading>, now: &Reading, interval: Duration) -
         lines.push("workers: none registered".to_owned());
         return lines;
     }
-    let idw = workers
-        .iter()
-        .map(|w| w.id.len())
-        .max()
-        .unwrap_or(0)
-        .max("worker".len());
+    let idw = id_width(&workers);
     lines.push(format!(
         "{:<idw$}  {:<7}  {:<12}  {:>6}  {:>7}  {:>9}  {:>6}  {:>8}  {:>7}  {:>8}  {:>8}  {:>8}",
         "worker",
