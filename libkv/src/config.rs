@@ -141,13 +141,16 @@ pub enum ConfigError {
 
     #[error(
         "limits.max_context is {max_context} tokens but one Submit frame carries at most \
-         {max_prompt_bytes} prompt bytes (one token per byte): prompts that long could never \
-         be sent; lower limits.max_context to at most {max_prompt_bytes}"
+         {max_prompt_tokens} prompt tokens: prompts that long could never be sent; lower \
+         limits.max_context to at most {max_prompt_tokens}"
     )]
     ContextExceedsFrame {
         max_context: u32,
-        max_prompt_bytes: usize,
+        max_prompt_tokens: usize,
     },
+
+    #[error("model.kind is \"gguf\" but model.path is not set: name the GGUF file")]
+    ModelPathMissing,
 
     #[error(
         "control.socket_mode is {mode:#o}; it must be permission bits only (at most 0o777) and \
@@ -262,6 +265,47 @@ pub struct Config {
     /// kvctld's Prometheus endpoint; off unless `listen` is set.
     #[serde(default)]
     pub metrics: Metrics,
+    /// The model the workers run; the reference model unless set.
+    #[serde(default)]
+    pub model: ModelConfig,
+}
+
+/// Which model prefilld and decoded run. Every worker of a kvctld runs the same one: kvctld
+/// refuses a worker whose model differs from its own `[model]`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    #[serde(default)]
+    pub kind: ModelKind,
+    /// The GGUF file (`kind = "gguf"`); `kvctl fetch-model` puts SmolLM2-135M-Instruct in
+    /// the cache directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    /// Threads one request's prefill or decode step uses; 0 (the default) for every core.
+    #[serde(default)]
+    pub threads: u32,
+}
+
+impl ModelConfig {
+    /// The threads to run a model on: `threads`, or every core when 0.
+    pub fn threads(&self) -> usize {
+        match self.threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n as usize,
+        }
+    }
+}
+
+/// The model runners there are.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelKind {
+    /// The deterministic reference model (`libkv::model`): tokens are bytes, the output echoes
+    /// the prompt; every output is checkable exactly.
+    #[default]
+    Reference,
+    /// A Llama-architecture model from a GGUF file (the `llama` crate).
+    Gguf,
 }
 
 /// Request size limits, in tokens. Both are required: there is no safe default.
@@ -742,6 +786,7 @@ impl Config {
             transfer: Transfer::default(),
             rdma: None,
             metrics: Metrics::default(),
+            model: ModelConfig::default(),
         }
     }
 
@@ -777,15 +822,18 @@ impl Config {
         for side in [Side::Prefill, Side::Decode] {
             self.validate_pool(side)?;
         }
-        let max_prompt_bytes = crate::proto::MAX_PROMPT_BYTES;
-        if usize::try_from(self.limits.max_context).map_or(true, |c| c > max_prompt_bytes) {
+        let max_prompt_tokens = crate::proto::MAX_PROMPT_TOKENS;
+        if usize::try_from(self.limits.max_context).map_or(true, |c| c > max_prompt_tokens) {
             return Err(ConfigError::ContextExceedsFrame {
                 max_context: self.limits.max_context,
-                max_prompt_bytes,
+                max_prompt_tokens,
             });
         }
         validate_deadlines(&self.deadlines)?;
         validate_control(&self.control)?;
+        if self.model.kind == ModelKind::Gguf && self.model.path.is_none() {
+            return Err(ConfigError::ModelPathMissing);
+        }
         if let Some(id) = &self.worker.id
             && !crate::ids::is_valid_worker_id(id)
         {
@@ -1131,14 +1179,14 @@ mod tests {
                 err,
                 ConfigError::ContextExceedsFrame {
                     max_context: 1_048_576,
-                    max_prompt_bytes: crate::proto::MAX_PROMPT_BYTES,
+                    max_prompt_tokens: crate::proto::MAX_PROMPT_TOKENS,
                 }
             ),
             "{err:?}"
         );
         let msg = err.to_string();
-        assert!(msg.contains("1048576") && msg.contains("524288"), "{msg}");
-        let fits = u32::try_from(crate::proto::MAX_PROMPT_BYTES).unwrap();
+        assert!(msg.contains("1048576") && msg.contains("131072"), "{msg}");
+        let fits = u32::try_from(crate::proto::MAX_PROMPT_TOKENS).unwrap();
         llama(fits, 8192, 127_500, 127_500).validate().unwrap();
         Config::from_toml_str(&minimal(16, fits, 8192, 127_500, 127_500)).unwrap();
         assert!(matches!(
@@ -1697,7 +1745,7 @@ mod tests {
                     result,
                     Err(ConfigError::PoolTooLarge { side: Side::Decode, .. })
                 ), "{:?}", result),
-                (true, true) if context > crate::proto::MAX_PROMPT_BYTES as u64 => {
+                (true, true) if context > crate::proto::MAX_PROMPT_TOKENS as u64 => {
                     prop_assert!(matches!(
                         result,
                         Err(ConfigError::ContextExceedsFrame { .. })

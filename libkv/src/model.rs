@@ -27,6 +27,7 @@
 
 use crate::geometry::{Kv, PageGeometry};
 use crate::pool::{PoolError, WriteGrant};
+use crate::proto::Sampling;
 use crate::verify::VerifiedKv;
 
 /// Dimensions of K that encode the position (base 16: positions below 16^6).
@@ -34,6 +35,8 @@ pub const POSITION_DIGITS: u32 = 6;
 /// The token emitted when attention reads bytes this model never wrote (outside the byte
 /// vocabulary, so it can never equal an expected output).
 pub const GARBAGE: u32 = 0x1FF;
+/// What workers of the reference model register as (`ModelRunner::model_id`).
+pub const REFERENCE_MODEL: &str = "reference";
 /// Smallest head_dim the reference model runs on.
 pub const MIN_HEAD_DIM: u32 = 8;
 
@@ -48,6 +51,10 @@ pub enum ModelError {
     EmptyKv,
     #[error("writing KV")]
     Pool(#[source] PoolError),
+    #[error("token {token} is outside the vocabulary of {vocab}")]
+    OutOfVocab { token: u32, vocab: u32 },
+    #[error("{0}")]
+    Failed(String),
 }
 
 /// The output of one request: generated tokens and the mean head's signature.
@@ -71,42 +78,229 @@ impl KvRead for VerifiedKv {
     }
 
     fn read(&self, layer: u32, kv: Kv, head: u32, pos: u64, out: &mut [f32]) -> bool {
-        let dt = self.geometry().dtype;
-        let Some(bytes) = self.vector(layer, kv, head, pos) else {
+        if pos >= self.tokens() {
             return false;
-        };
-        for (o, b) in out.iter_mut().zip(bytes.chunks_exact(dt.size())) {
-            *o = dt.decode(b);
         }
-        true
+        read_vector(self.geometry(), |i| self.page(i), layer, kv, head, pos, out)
     }
 }
 
-/// A model that prefills KV into pages and decodes from verified pages. A real engine takes
-/// this place in production; the daemons only see this trait.
+/// Pages a prefill writes, in token order: a reservation's [`WriteGrant`], or plain memory
+/// ([`MemoryKv`]) for the monolithic path.
+pub trait PageWrite {
+    /// Pages there are to write.
+    fn page_count(&self) -> usize;
+    /// The bytes of the `index`-th page.
+    fn page_mut(&mut self, index: usize) -> Result<&mut [u8], PoolError>;
+}
+
+impl PageWrite for WriteGrant {
+    fn page_count(&self) -> usize {
+        self.pages().len()
+    }
+
+    fn page_mut(&mut self, index: usize) -> Result<&mut [u8], PoolError> {
+        WriteGrant::page_mut(self, index)
+    }
+}
+
+/// KV a decode attends over and appends to: verified pages ([`VerifiedKv`]), or plain memory
+/// ([`MemoryKv`]) for the monolithic path.
+pub trait KvCache: KvRead {
+    /// The bytes of the `index`-th page, if it holds readable positions. Slots past
+    /// [`KvRead::positions`] in the last page are not to be read.
+    fn page(&self, index: usize) -> Option<&[u8]>;
+    /// Writes the KV of the next position with `write(page_bytes, slot)` and makes it
+    /// readable; returns the position. Fails when the reservation is full.
+    fn append(&mut self, write: &mut dyn FnMut(&mut [u8], u32)) -> Result<u64, PoolError>;
+}
+
+impl KvCache for VerifiedKv {
+    fn page(&self, index: usize) -> Option<&[u8]> {
+        VerifiedKv::page(self, index)
+    }
+
+    fn append(&mut self, write: &mut dyn FnMut(&mut [u8], u32)) -> Result<u64, PoolError> {
+        VerifiedKv::append(self, |page, slot| write(page, slot))
+    }
+}
+
+/// A model that prefills KV into pages and decodes from verified pages. The daemons only see
+/// this trait: the reference model here, or a real one (the `llama` crate).
 pub trait ModelRunner: Send + Sync + std::fmt::Debug {
-    /// Writes the KV of every prompt token into the grant's pages, zeroing unused slots of
-    /// the last page so that no stale byte leaves the pool.
-    fn prefill(&self, prompt: &[u32], grant: &mut WriteGrant) -> Result<(), ModelError>;
-    /// [`ModelRunner::prefill`] in chunks of one page: before each page after the first it
-    /// asks `keep_going` (given the tokens written so far) and stops when it answers `false`,
-    /// returning `Ok(false)`; the pages are then partly written and must not be handed out.
-    /// The default runs the whole prefill at once.
+    /// The page geometry this model writes and reads.
+    fn geometry(&self) -> &PageGeometry;
+    /// Token ids are below this.
+    fn vocab(&self) -> u32;
+    /// Writes the KV of every prompt token into the pages, zeroing unused slots of the last
+    /// page so that no stale byte leaves the pool.
+    fn prefill(&self, prompt: &[u32], pages: &mut dyn PageWrite) -> Result<(), ModelError> {
+        self.prefill_chunked(prompt, pages, &mut |_| true).map(drop)
+    }
+    /// [`ModelRunner::prefill`] in chunks of whole pages: before each chunk after the first
+    /// it asks `keep_going` (given the tokens written so far) and stops when it answers
+    /// `false`, returning `Ok(false)`; the pages are then partly written and must not be
+    /// handed out.
     fn prefill_chunked(
         &self,
         prompt: &[u32],
-        grant: &mut WriteGrant,
+        pages: &mut dyn PageWrite,
         keep_going: &mut dyn FnMut(usize) -> bool,
-    ) -> Result<bool, ModelError> {
-        let _ = keep_going;
-        self.prefill(prompt, grant).map(|()| true)
+    ) -> Result<bool, ModelError>;
+    /// Decode step `step` of a prompt of `prompt_len` tokens. `input` is the token at
+    /// position `prompt_len - 1 + step`: the prompt's last token at step 0, then the token
+    /// step `step - 1` emitted. The model appends to `kv` the KV it keeps and returns the
+    /// token this step emits.
+    fn step(
+        &self,
+        kv: &mut dyn KvCache,
+        input: u32,
+        step: u32,
+        prompt_len: u32,
+    ) -> Result<u32, ModelError>;
+    /// [`ModelRunner::step`] picking the token as `sampling` says. A model without logits
+    /// (the reference model) is deterministic and ignores it.
+    fn sample(
+        &self,
+        kv: &mut dyn KvCache,
+        input: u32,
+        step: u32,
+        prompt_len: u32,
+        sampling: &Sampling,
+    ) -> Result<u32, ModelError> {
+        let _ = sampling;
+        self.step(kv, input, step, prompt_len)
     }
-    /// The token decode step `step` emits, attending over `kv`.
-    fn next_token(&self, kv: &dyn KvRead, step: u32, prompt_len: u32) -> Result<u32, ModelError>;
-    /// Writes the KV of `token` at position `pos` into slot `slot` of `page`.
-    fn write_token(&self, page: &mut [u8], slot: u32, token: u32, pos: u64);
-    /// The mean head's signature over all readable positions.
-    fn signature(&self, kv: &dyn KvRead) -> u64;
+    /// What the worker registers as its model: kvctld pairs only workers that agree on it.
+    fn model_id(&self) -> String;
+    /// Whether generation ends at `token` (end of turn, end of text). The stop token itself is
+    /// not part of the output.
+    fn is_stop(&self, token: u32) -> bool {
+        let _ = token;
+        false
+    }
+    /// A 64-bit signature over every readable position of `kv` (see [`kv_signature`]).
+    fn signature(&self, kv: &dyn KvRead) -> u64 {
+        kv_signature(self.geometry(), kv)
+    }
+}
+
+/// KV pages in plain memory, with the layout of a pool's pages: what the monolithic path of
+/// a real model prefills into and decodes from, with the same code as over a pool.
+#[derive(Clone, Debug)]
+pub struct MemoryKv {
+    g: PageGeometry,
+    pages: Vec<Vec<u8>>,
+    tokens: u64,
+    capacity: u64,
+}
+
+impl MemoryKv {
+    /// Pages for `prompt` tokens and `max_new` more, all zero.
+    pub fn new(g: PageGeometry, prompt: u64, max_new: u64) -> MemoryKv {
+        let capacity = prompt + max_new;
+        let n = usize::try_from(g.pages_for_tokens(capacity)).unwrap_or(0);
+        let bytes = usize::try_from(g.bytes_per_page()).unwrap_or(0);
+        MemoryKv {
+            g,
+            pages: vec![vec![0; bytes]; n],
+            tokens: 0,
+            capacity,
+        }
+    }
+
+    /// Makes the first `tokens` positions readable, as verification does after a prefill.
+    pub fn set_prefilled(&mut self, tokens: u64) {
+        self.tokens = tokens.min(self.capacity);
+    }
+}
+
+impl PageWrite for MemoryKv {
+    fn page_count(&self) -> usize {
+        self.pages.len()
+    }
+
+    fn page_mut(&mut self, index: usize) -> Result<&mut [u8], PoolError> {
+        let pages = self.pages.len();
+        self.pages
+            .get_mut(index)
+            .map(Vec::as_mut_slice)
+            .ok_or(PoolError::OutOfGrant { index, pages })
+    }
+}
+
+impl KvRead for MemoryKv {
+    fn positions(&self) -> u64 {
+        self.tokens
+    }
+
+    fn read(&self, layer: u32, kv: Kv, head: u32, pos: u64, out: &mut [f32]) -> bool {
+        read_vector(
+            &self.g,
+            |i| KvCache::page(self, i),
+            layer,
+            kv,
+            head,
+            pos,
+            out,
+        )
+    }
+}
+
+impl KvCache for MemoryKv {
+    fn page(&self, index: usize) -> Option<&[u8]> {
+        if index as u64 >= self.g.pages_for_tokens(self.tokens) {
+            return None;
+        }
+        self.pages.get(index).map(Vec::as_slice)
+    }
+
+    fn append(&mut self, write: &mut dyn FnMut(&mut [u8], u32)) -> Result<u64, PoolError> {
+        let pos = self.tokens;
+        if pos >= self.capacity {
+            return Err(PoolError::CapacityExhausted {
+                capacity: self.capacity,
+            });
+        }
+        let tpp = u64::from(self.g.tokens_per_page);
+        let index = usize::try_from(pos / tpp).unwrap_or(usize::MAX);
+        let slot = u32::try_from(pos % tpp).unwrap_or(0);
+        let pages = self.pages.len();
+        let page = self
+            .pages
+            .get_mut(index)
+            .ok_or(PoolError::OutOfGrant { index, pages })?;
+        write(page, slot);
+        self.tokens += 1;
+        Ok(pos)
+    }
+}
+
+/// One head's K or V vector at `pos`, decoded to f32, from pages given by `page`.
+fn read_vector<'a>(
+    g: &PageGeometry,
+    page: impl Fn(usize) -> Option<&'a [u8]>,
+    layer: u32,
+    kv: Kv,
+    head: u32,
+    pos: u64,
+    out: &mut [f32],
+) -> bool {
+    let tpp = u64::from(g.tokens_per_page);
+    let (Ok(index), Ok(slot)) = (usize::try_from(pos / tpp), u32::try_from(pos % tpp)) else {
+        return false;
+    };
+    let Some(bytes) = page(index) else {
+        return false;
+    };
+    let off = g.vector_offset(layer, kv, head, slot);
+    let Some(v) = bytes.get(off..off + g.head_dim as usize * g.dtype.size()) else {
+        return false;
+    };
+    for (o, b) in out.iter_mut().zip(v.chunks_exact(g.dtype.size())) {
+        *o = g.dtype.decode(b);
+    }
+    true
 }
 
 /// The reference model for one page geometry.
@@ -203,45 +397,22 @@ impl ReferenceModel {
     }
 }
 
-impl ModelRunner for ReferenceModel {
-    fn prefill(&self, prompt: &[u32], grant: &mut WriteGrant) -> Result<(), ModelError> {
-        self.prefill_chunked(prompt, grant, &mut |_| true).map(drop)
-    }
-
-    fn prefill_chunked(
+impl ReferenceModel {
+    /// The token decode step `step` emits, attending over `kv`.
+    pub fn next_token(
         &self,
-        prompt: &[u32],
-        grant: &mut WriteGrant,
-        keep_going: &mut dyn FnMut(usize) -> bool,
-    ) -> Result<bool, ModelError> {
-        let tpp = u64::from(self.g.tokens_per_page);
-        let pages = grant.pages().len();
-        if let Some(last) = pages.checked_sub(1) {
-            grant.page_mut(last).map_err(ModelError::Pool)?.fill(0);
-        }
-        for (pos, &tok) in (0u64..).zip(prompt) {
-            if tok > 0xFF {
-                return Err(ModelError::BadToken(tok));
-            }
-            let slot = u32::try_from(pos % tpp).unwrap_or(0);
-            if pos > 0 && slot == 0 && !keep_going(usize::try_from(pos).unwrap_or(usize::MAX)) {
-                return Ok(false);
-            }
-            let index = usize::try_from(pos / tpp).unwrap_or(usize::MAX);
-            let page = grant.page_mut(index).map_err(ModelError::Pool)?;
-            self.write_token(page, slot, tok, pos);
-        }
-        Ok(true)
-    }
-
-    fn next_token(&self, kv: &dyn KvRead, step: u32, prompt_len: u32) -> Result<u32, ModelError> {
+        kv: &dyn KvRead,
+        step: u32,
+        prompt_len: u32,
+    ) -> Result<u32, ModelError> {
         if prompt_len == 0 {
             return Err(ModelError::EmptyKv);
         }
         self.copy_head(kv, u64::from(step % prompt_len))
     }
 
-    fn write_token(&self, page: &mut [u8], slot: u32, token: u32, pos: u64) {
+    /// Writes the KV of `token` at position `pos` into slot `slot` of `page`.
+    pub fn write_token(&self, page: &mut [u8], slot: u32, token: u32, pos: u64) {
         let g = self.g;
         let sz = g.dtype.size();
         let mut v = vec![0f32; g.head_dim as usize];
@@ -257,43 +428,99 @@ impl ModelRunner for ReferenceModel {
             }
         }
     }
+}
 
-    fn signature(&self, kv: &dyn KvRead) -> u64 {
-        let g = self.g;
-        let hd = g.head_dim as usize;
-        let mut v = vec![0f32; hd];
-        let mut sums: Vec<ExactSum> = vec![ExactSum::default(); hd];
-        let mut sig = 0u64;
-        for layer in 0..g.layers {
-            for kvk in [Kv::K, Kv::V] {
-                for head in 0..g.kv_heads {
-                    sums.iter_mut().for_each(|s| *s = ExactSum::default());
-                    for pos in 0..kv.positions() {
-                        kv.read(layer, kvk, head, pos, &mut v);
-                        for (s, x) in sums.iter_mut().zip(&v) {
-                            s.add(*x);
-                        }
+impl ModelRunner for ReferenceModel {
+    fn geometry(&self) -> &PageGeometry {
+        &self.g
+    }
+
+    fn vocab(&self) -> u32 {
+        256
+    }
+
+    fn model_id(&self) -> String {
+        REFERENCE_MODEL.to_owned()
+    }
+
+    fn prefill_chunked(
+        &self,
+        prompt: &[u32],
+        pages: &mut dyn PageWrite,
+        keep_going: &mut dyn FnMut(usize) -> bool,
+    ) -> Result<bool, ModelError> {
+        let tpp = u64::from(self.g.tokens_per_page);
+        let count = pages.page_count();
+        if let Some(last) = count.checked_sub(1) {
+            pages.page_mut(last).map_err(ModelError::Pool)?.fill(0);
+        }
+        for (pos, &tok) in (0u64..).zip(prompt) {
+            if tok > 0xFF {
+                return Err(ModelError::BadToken(tok));
+            }
+            let slot = u32::try_from(pos % tpp).unwrap_or(0);
+            if pos > 0 && slot == 0 && !keep_going(usize::try_from(pos).unwrap_or(usize::MAX)) {
+                return Ok(false);
+            }
+            let index = usize::try_from(pos / tpp).unwrap_or(usize::MAX);
+            let page = pages.page_mut(index).map_err(ModelError::Pool)?;
+            self.write_token(page, slot, tok, pos);
+        }
+        Ok(true)
+    }
+
+    fn step(
+        &self,
+        kv: &mut dyn KvCache,
+        _input: u32,
+        step: u32,
+        prompt_len: u32,
+    ) -> Result<u32, ModelError> {
+        // The copy head reads the KV only; the emitted token's KV is appended at once.
+        let t = self.next_token(kv, step, prompt_len)?;
+        let pos = kv.positions();
+        kv.append(&mut |page, slot| self.write_token(page, slot, t, pos))
+            .map_err(ModelError::Pool)?;
+        Ok(t)
+    }
+}
+
+/// The mean head's signature over every readable position of `kv`: per layer, K/V and head,
+/// the exact sum of each lane over all positions and the position count, folded into 64 bits
+/// with crc32c. Any change of any value read changes it.
+pub fn kv_signature(g: &PageGeometry, kv: &dyn KvRead) -> u64 {
+    let g = *g;
+    let hd = g.head_dim as usize;
+    let mut v = vec![0f32; hd];
+    let mut sums: Vec<ExactSum> = vec![ExactSum::default(); hd];
+    let mut sig = 0u64;
+    for layer in 0..g.layers {
+        for kvk in [Kv::K, Kv::V] {
+            for head in 0..g.kv_heads {
+                sums.iter_mut().for_each(|s| *s = ExactSum::default());
+                for pos in 0..kv.positions() {
+                    kv.read(layer, kvk, head, pos, &mut v);
+                    for (s, x) in sums.iter_mut().zip(&v) {
+                        s.add(*x);
                     }
-                    // The mean is the exact sum over the position count, which is the same
-                    // for every lane: hashing the exact sums and the count fixes it.
-                    let mut bytes = kv.positions().to_le_bytes().to_vec();
-                    for s in &sums {
-                        s.append_bytes(&mut bytes);
-                    }
-                    let lo = crc32c::crc32c_append(
-                        u32::try_from(sig & 0xFFFF_FFFF).unwrap_or(0),
-                        &bytes,
-                    );
-                    let hi = crc32c::crc32c_append(
-                        u32::try_from(sig >> 32).unwrap_or(0) ^ 0x5A5A_5A5A,
-                        &bytes,
-                    );
-                    sig = (u64::from(hi) << 32) | u64::from(lo);
                 }
+                // The mean is the exact sum over the position count, which is the same
+                // for every lane: hashing the exact sums and the count fixes it.
+                let mut bytes = kv.positions().to_le_bytes().to_vec();
+                for s in &sums {
+                    s.append_bytes(&mut bytes);
+                }
+                let lo =
+                    crc32c::crc32c_append(u32::try_from(sig & 0xFFFF_FFFF).unwrap_or(0), &bytes);
+                let hi = crc32c::crc32c_append(
+                    u32::try_from(sig >> 32).unwrap_or(0) ^ 0x5A5A_5A5A,
+                    &bytes,
+                );
+                sig = (u64::from(hi) << 32) | u64::from(lo);
             }
         }
-        sig
     }
+    sig
 }
 
 /// An exact sum of f32 values: every finite f32 is an integer multiple of 2^-149 below
@@ -400,43 +627,80 @@ pub fn monolithic(
     })
 }
 
-/// Decodes `max_new` tokens from verified KV, appending each token's KV, and calls
-/// `on_token` for each. Returns the output with the signature over all positions.
+/// Decodes up to `max_new` tokens from verified KV, appending KV as the model keeps it, and
+/// calls `on_token` for each. `last_token` is the prompt's last token. Returns the output
+/// with the signature over all positions.
 pub fn decode(
     model: &dyn ModelRunner,
-    kv: &mut VerifiedKv,
+    kv: &mut dyn KvCache,
     prompt_len: u32,
+    last_token: u32,
     max_new: u32,
     mut on_token: impl FnMut(u32, u32),
 ) -> Result<Output, ModelError> {
-    decode_with(model, kv, prompt_len, max_new, |step, t| {
-        on_token(step, t);
-        Ok::<(), ModelError>(())
-    })
+    let greedy = Sampling::GREEDY;
+    decode_with(
+        model,
+        kv,
+        prompt_len,
+        last_token,
+        max_new,
+        &greedy,
+        |step, t| {
+            on_token(step, t);
+            Ok::<(), ModelError>(())
+        },
+    )
 }
 
 /// Like [`decode`], but `after_token(step, token)` may stop the decode between steps with
 /// its own error (a cancelled request, a passed deadline): the one decode loop every caller
-/// shares.
+/// shares. Each token is picked as `sampling` says. Generation ends early at a token the
+/// model stops at, which is not emitted.
 pub fn decode_with<E: From<ModelError>>(
     model: &dyn ModelRunner,
-    kv: &mut VerifiedKv,
+    kv: &mut dyn KvCache,
     prompt_len: u32,
+    last_token: u32,
     max_new: u32,
+    sampling: &Sampling,
     mut after_token: impl FnMut(u32, u32) -> Result<(), E>,
 ) -> Result<Output, E> {
     let mut out = Vec::with_capacity(max_new as usize);
+    let mut input = last_token;
     for step in 0..max_new {
-        let t = model.next_token(kv, step, prompt_len)?;
-        let pos = kv.tokens();
-        kv.append(|page, slot| model.write_token(page, slot, t, pos))
-            .map_err(ModelError::Pool)?;
+        let t = model.sample(kv, input, step, prompt_len, sampling)?;
+        if model.is_stop(t) {
+            break;
+        }
         out.push(t);
         after_token(step, t)?;
+        input = t;
     }
     Ok(Output {
         signature: model.signature(kv),
         tokens: out,
+    })
+}
+
+/// The monolithic path of any model: the same prefill and decode code over pages in plain
+/// memory, with no pool, transfer or daemon. For a real model this is the expected output of
+/// a disaggregated request; the reference model also has [`monolithic`], computed without
+/// pages at all.
+pub fn monolithic_paged(
+    model: &dyn ModelRunner,
+    prompt: &[u32],
+    max_new: u32,
+    sampling: &Sampling,
+) -> Result<Output, ModelError> {
+    let (Some(&last), Ok(len)) = (prompt.last(), u32::try_from(prompt.len())) else {
+        return Err(ModelError::EmptyKv);
+    };
+    let mut kv = MemoryKv::new(*model.geometry(), u64::from(len), u64::from(max_new));
+    model.prefill(prompt, &mut kv)?;
+    kv.set_prefilled(u64::from(len));
+    decode_with(model, &mut kv, len, last, max_new, sampling, |_, _| {
+        Ok::<(), ModelError>(())
     })
 }
 

@@ -91,6 +91,7 @@ fn valid_messages() -> Vec<(Message, usize)> {
             pool_pages: 64,
             transports: vec![Transport::Shm, Transport::Rdma],
             endpoint: None,
+            model: "reference".into(),
         }
         .into(),
         RegisterWorker {
@@ -100,6 +101,7 @@ fn valid_messages() -> Vec<(Message, usize)> {
             pool_pages: 64,
             transports: vec![Transport::Tcp],
             endpoint: None,
+            model: "reference".into(),
         }
         .into(),
         RegisterAck {
@@ -110,9 +112,10 @@ fn valid_messages() -> Vec<(Message, usize)> {
         .into(),
         Submit {
             tenant: "tenant-a.1".into(),
-            prompt: b"why is the sky blue".to_vec(),
+            prompt: libkv::model::tokenize(b"why is the sky blue"),
             max_new_tokens: 200,
             deadline_ms: 1500,
+            sampling: libkv::proto::Sampling::GREEDY,
         }
         .into(),
         Tokens {
@@ -150,6 +153,7 @@ fn valid_messages() -> Vec<(Message, usize)> {
             ],
             counters: vec![("admitted".into(), 5), ("rejected".into(), 1)],
             transport: Some(Transport::Rdma),
+            model: None,
         }
         .into(),
         DecodeReserve {
@@ -182,6 +186,8 @@ fn valid_messages() -> Vec<(Message, usize)> {
             source: "prefill-0".into(),
             manifest: manifest(),
             max_new_tokens: 8,
+            sampling: libkv::proto::Sampling::GREEDY,
+            last_token: 0,
         }
         .into(),
         PullDone { owner: owner() }.into(),

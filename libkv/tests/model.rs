@@ -45,7 +45,15 @@ fn run_paged(
         digests,
     };
     let mut kv = res.verify(&manifest).map_err(|e| e.to_string())?;
-    model::decode(&m, &mut kv, prompt.len() as u32, max_new, |_, _| {}).map_err(|e| e.to_string())
+    model::decode(
+        &m,
+        &mut kv,
+        prompt.len() as u32,
+        prompt[prompt.len() - 1],
+        max_new,
+        |_, _| {},
+    )
+    .map_err(|e| e.to_string())
 }
 
 fn geometries() -> impl Strategy<Value = PageGeometry> {
@@ -129,7 +137,15 @@ fn any_changed_byte_changes_the_output() {
             digests,
         };
         let mut kv = res.verify(&manifest).unwrap();
-        let got = model::decode(&m, &mut kv, prompt.len() as u32, 18, |_, _| {}).unwrap();
+        let got = model::decode(
+            &m,
+            &mut kv,
+            prompt.len() as u32,
+            prompt[prompt.len() - 1],
+            18,
+            |_, _| {},
+        )
+        .unwrap();
         total += 1;
         if got != expected {
             differ += 1;
@@ -182,7 +198,7 @@ fn stale_pages_of_another_tenant_change_the_output() {
             digests,
         };
         let mut kv = rb.verify(&manifest).unwrap();
-        let got = model::decode(&m, &mut kv, b.len() as u32, 8, |_, _| {}).unwrap();
+        let got = model::decode(&m, &mut kv, b.len() as u32, b[b.len() - 1], 8, |_, _| {}).unwrap();
         let expected = model::monolithic(&m, &b, 8).unwrap();
         assert_ne!(
             got, expected,

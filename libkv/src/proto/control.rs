@@ -171,6 +171,9 @@ pub struct RegisterWorker {
     pub transports: Vec<Transport>,
     /// A prefill worker's TCP page server; then it lists `Tcp` and attaches no fd.
     pub endpoint: Option<TcpEndpoint>,
+    /// The model the worker runs ([`is_valid_model_id`]): kvctld pairs only workers that run
+    /// the same one, since KV of one model is meaningless to another of the same geometry.
+    pub model: String,
 }
 
 impl RegisterWorker {
@@ -179,6 +182,7 @@ impl RegisterWorker {
             return Err("a worker's role must be Prefill or Decode, not Client".to_owned());
         }
         check_worker_id(&self.id)?;
+        check_model_id(&self.model)?;
         check_pool(&self.geometry, self.pool_pages)?;
         if self.transports.is_empty() || self.transports.len() > 3 {
             return Err(format!(
@@ -201,6 +205,24 @@ impl RegisterWorker {
 }
 
 pub use crate::ids::{MAX_WORKER_ID_BYTES, is_valid_worker_id};
+
+/// Longest model id of a [`RegisterWorker`].
+pub const MAX_MODEL_ID_BYTES: usize = 128;
+
+/// Whether `id` is 1 to [`MAX_MODEL_ID_BYTES`] printable ASCII bytes.
+pub fn is_valid_model_id(id: &str) -> bool {
+    (1..=MAX_MODEL_ID_BYTES).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_graphic())
+}
+
+pub(super) fn check_model_id(id: &str) -> Check {
+    if !is_valid_model_id(id) {
+        return Err(format!(
+            "model id of {} bytes: expected 1 to {MAX_MODEL_ID_BYTES} printable ASCII bytes",
+            id.len()
+        ));
+    }
+    Ok(())
+}
 
 pub(super) fn check_worker_id(id: &str) -> Check {
     if !is_valid_worker_id(id) {
@@ -271,12 +293,76 @@ impl RegisterAck {
 pub struct Submit {
     /// Who pays: 1 to [`MAX_TENANT_BYTES`] bytes of `[A-Za-z0-9_.-]`.
     pub tenant: String,
-    /// The prompt, 1 to [`MAX_PROMPT_BYTES`] bytes.
-    pub prompt: Vec<u8>,
+    /// The prompt's token ids, 1 to [`MAX_PROMPT_TOKENS`](super::MAX_PROMPT_TOKENS) of them.
+    pub prompt: Vec<u32>,
     /// Most tokens to generate, at least 1.
     pub max_new_tokens: u32,
     /// Milliseconds the client will wait; 0 for kvctld's default.
     pub deadline_ms: u32,
+    /// How decode picks each new token.
+    pub sampling: Sampling,
+}
+
+/// How decode picks each new token from the model's logits. Greedy (temperature 0) by
+/// default; otherwise a draw from the softmax at `temperature`, cut to the smallest set of
+/// tokens whose probability reaches `top_p`, from a generator seeded by `seed` and the step,
+/// so one seed always gives the same output. Fixed point, so that frames compare exactly.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Sampling {
+    /// Temperature in thousandths: 0 is greedy, at most [`MAX_TEMPERATURE_MILLI`].
+    pub temperature_milli: u32,
+    /// Top-p in thousandths, 1 to 1000; 0 reads as 1000 (no cut).
+    pub top_p_milli: u32,
+    /// Seeds the draws.
+    pub seed: u64,
+}
+
+/// Highest temperature a request may ask for (in thousandths): 2.0, as OpenAI's API.
+pub const MAX_TEMPERATURE_MILLI: u32 = 2000;
+
+impl Sampling {
+    /// Greedy decoding: always the most likely token.
+    pub const GREEDY: Sampling = Sampling {
+        temperature_milli: 0,
+        top_p_milli: 0,
+        seed: 0,
+    };
+
+    /// Whether every step takes the most likely token.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature_milli == 0
+    }
+
+    /// The temperature as a float.
+    pub fn temperature(&self) -> f32 {
+        self.temperature_milli as f32 / 1000.0
+    }
+
+    /// Top-p as a float in (0, 1].
+    pub fn top_p(&self) -> f32 {
+        if self.top_p_milli == 0 {
+            1.0
+        } else {
+            self.top_p_milli as f32 / 1000.0
+        }
+    }
+
+    pub(super) fn check(&self) -> Check {
+        if self.temperature_milli > MAX_TEMPERATURE_MILLI {
+            return Err(format!(
+                "temperature {} exceeds {}",
+                self.temperature(),
+                MAX_TEMPERATURE_MILLI as f32 / 1000.0
+            ));
+        }
+        if self.top_p_milli > 1000 {
+            return Err(format!(
+                "top_p {} exceeds 1",
+                self.top_p_milli as f32 / 1000.0
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Whether `tenant` is 1 to [`MAX_TENANT_BYTES`] bytes of `[A-Za-z0-9_.-]`.
@@ -299,7 +385,7 @@ impl Submit {
         if self.max_new_tokens == 0 {
             return Err("max_new_tokens 0".to_owned());
         }
-        Ok(())
+        self.sampling.check()
     }
 }
 
@@ -378,6 +464,8 @@ pub struct StatusReply {
     pub counters: Vec<(String, u64)>,
     /// How pages move from prefill to decode, once both workers are registered.
     pub transport: Option<Transport>,
+    /// The model the registered workers run, once one has registered.
+    pub model: Option<String>,
 }
 
 impl StatusReply {
@@ -392,6 +480,9 @@ impl StatusReply {
             w.check()?;
         }
         check_counters(&self.counters)?;
+        if let Some(model) = &self.model {
+            check_model_id(model)?;
+        }
         Ok(())
     }
 }
@@ -522,8 +613,8 @@ pub struct DecodeReserved {
 pub struct PrefillRun {
     /// The owner of the pages to write.
     pub owner: Owner,
-    /// The prompt, 1 to [`MAX_PROMPT_BYTES`] bytes.
-    pub prompt: Vec<u8>,
+    /// The prompt's token ids, 1 to [`MAX_PROMPT_TOKENS`](super::MAX_PROMPT_TOKENS) of them.
+    pub prompt: Vec<u32>,
 }
 
 /// A prefill worker wrote the KV of a prompt.
@@ -593,6 +684,11 @@ pub struct PullKv {
     pub manifest: Manifest,
     /// New tokens to generate once pulled.
     pub max_new_tokens: u32,
+    /// The prompt's last token: a real model's first decode step runs it through the model
+    /// (its KV is in the pages already) to get the first new token.
+    pub last_token: u32,
+    /// How to pick each new token, as the client asked.
+    pub sampling: Sampling,
 }
 
 impl PullKv {
@@ -602,7 +698,7 @@ impl PullKv {
         if self.max_new_tokens == 0 {
             return Err("max_new_tokens 0".to_owned());
         }
-        Ok(())
+        self.sampling.check()
     }
 }
 

@@ -11,7 +11,7 @@
 //! offset  size  field       value
 //! ------  ----  ----------  ---------------------------------------------------------------
 //!      0     4  magic       0x4346_564B (the bytes "KVFC" on the wire)
-//!      4     2  version     PROTOCOL_VERSION (2)
+//!      4     2  version     PROTOCOL_VERSION (3)
 //!      6     2  msg_type    MsgType; 0 (Invalid) is never valid on the wire
 //!      8     2  flags       all bits reserved, must be 0
 //!     10     2  reserved    must be 0
@@ -114,7 +114,7 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 /// `magic` of every frame: the bytes "KVFC" read as a little-endian `u32`.
 pub const MAGIC: u32 = 0x4346_564B;
 /// The only protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Bytes of the fixed frame header.
 pub const HEADER_LEN: usize = 24;
 /// Largest body a frame may carry (1 MiB). Checked from the header before any allocation.
@@ -124,8 +124,9 @@ pub const MAX_FRAME_LEN: usize = HEADER_LEN + MAX_BODY_LEN as usize;
 /// Most file descriptors any message type carries.
 pub const MAX_FDS_PER_FRAME: usize = 1;
 
-/// Largest prompt in `Submit` and `PrefillRun` (512 KiB).
-pub const MAX_PROMPT_BYTES: usize = 512 * 1024;
+/// Most prompt tokens in `Submit` and `PrefillRun` (128 Ki): at most 640 KiB encoded (5-byte
+/// varints), under [`MAX_BODY_LEN`]. It bounds `[limits] max_context`.
+pub const MAX_PROMPT_TOKENS: usize = 128 * 1024;
 /// Largest tenant name; tenants are 1 or more of `[A-Za-z0-9_.-]`.
 pub const MAX_TENANT_BYTES: usize = 64;
 /// Largest free text (`Error::message`, `Abort::reason`).
@@ -643,13 +644,13 @@ fn check_text(what: &str, s: &str) -> Check {
     Ok(())
 }
 
-fn check_prompt(prompt: &[u8]) -> Check {
+fn check_prompt(prompt: &[u32]) -> Check {
     if prompt.is_empty() {
         return Err("empty prompt".to_owned());
     }
-    if prompt.len() > MAX_PROMPT_BYTES {
+    if prompt.len() > MAX_PROMPT_TOKENS {
         return Err(format!(
-            "prompt of {} bytes exceeds {MAX_PROMPT_BYTES}",
+            "prompt of {} tokens exceeds {MAX_PROMPT_TOKENS}",
             prompt.len()
         ));
     }

@@ -47,6 +47,7 @@ fn every_message() -> Vec<Message> {
             pool_pages: 128,
             transports: vec![Transport::Shm, Transport::Rdma],
             endpoint: None,
+            model: "reference".into(),
         }
         .into(),
         RegisterAck {
@@ -57,9 +58,10 @@ fn every_message() -> Vec<Message> {
         .into(),
         Submit {
             tenant: "team-a.prod_1".into(),
-            prompt: b"hello".to_vec(),
+            prompt: crate::model::tokenize(b"hello"),
             max_new_tokens: 16,
             deadline_ms: 0,
+            sampling: crate::proto::Sampling::GREEDY,
         }
         .into(),
         Tokens {
@@ -107,6 +109,7 @@ fn every_message() -> Vec<Message> {
             }],
             counters: vec![("admitted".into(), 12), ("rejected".into(), 0)],
             transport: Some(Transport::Tcp),
+            model: None,
         }
         .into(),
         DecodeReserve {
@@ -139,6 +142,8 @@ fn every_message() -> Vec<Message> {
             source: "prefill-0".into(),
             manifest: manifest(),
             max_new_tokens: 16,
+            last_token: 7,
+            sampling: crate::proto::Sampling::GREEDY,
         }
         .into(),
         PullDone { owner: owner() }.into(),
@@ -278,7 +283,7 @@ fn header_layout_matches_the_docs() {
         .encode(RequestId(0x1122_3344_5566_7788))
         .unwrap();
     assert_eq!(&frame[0..4], b"KVFC");
-    assert_eq!(&frame[4..6], &[2, 0]);
+    assert_eq!(&frame[4..6], &[3, 0]);
     assert_eq!(&frame[6..8], &[9, 0]);
     assert_eq!(&frame[8..12], &[0, 0, 0, 0]);
     assert_eq!(&frame[12..16], &[0, 0, 0, 0]);
@@ -513,6 +518,7 @@ fn wrong_fd_counts() {
         pool_pages: 8,
         transports: vec![Transport::Shm],
         endpoint: None,
+        model: "reference".into(),
     };
     let frame = Message::from(decode.clone()).encode(RequestId(1)).unwrap();
     assert!(decode_frame(&frame, 0).is_ok());
@@ -571,6 +577,7 @@ fn semantic_limits() {
         prompt: vec![1],
         max_new_tokens: 1,
         deadline_ms: 0,
+        sampling: crate::proto::Sampling::GREEDY,
     };
     assert!(Message::from(submit.clone()).validate().is_ok());
     invalid(Submit {
@@ -578,10 +585,10 @@ fn semantic_limits() {
         ..submit.clone()
     });
     let reason = invalid(Submit {
-        prompt: vec![0; MAX_PROMPT_BYTES + 1],
+        prompt: vec![0; MAX_PROMPT_TOKENS + 1],
         ..submit.clone()
     });
-    assert!(reason.contains(&MAX_PROMPT_BYTES.to_string()), "{reason}");
+    assert!(reason.contains(&MAX_PROMPT_TOKENS.to_string()), "{reason}");
     invalid(Submit {
         tenant: String::new(),
         ..submit.clone()
@@ -615,6 +622,8 @@ fn semantic_limits() {
         source: "prefill-0".into(),
         manifest: manifest(),
         max_new_tokens: 4,
+        last_token: 0,
+        sampling: crate::proto::Sampling::GREEDY,
     };
     let mut m = manifest();
     m.digests.pop();
@@ -660,6 +669,7 @@ fn semantic_limits() {
         pool_pages: 1,
         transports: vec![Transport::Shm],
         endpoint: None,
+        model: "reference".into(),
     });
     invalid(RegisterWorker {
         id: "w-0".into(),
@@ -668,6 +678,7 @@ fn semantic_limits() {
         pool_pages: 1,
         transports: vec![],
         endpoint: None,
+        model: "reference".into(),
     });
     invalid(RegisterWorker {
         id: "w-0".into(),
@@ -676,6 +687,7 @@ fn semantic_limits() {
         pool_pages: 1,
         transports: vec![Transport::Tcp, Transport::Tcp],
         endpoint: None,
+        model: "reference".into(),
     });
     let tcp = RegisterWorker {
         id: "w-0".into(),
@@ -684,6 +696,7 @@ fn semantic_limits() {
         pool_pages: 1,
         transports: vec![Transport::Tcp],
         endpoint: Some(endpoint()),
+        model: "reference".into(),
     };
     assert!(Message::from(tcp.clone()).validate().is_ok());
     invalid(RegisterWorker {
@@ -816,6 +829,7 @@ fn semantic_limits() {
         workers: vec![],
         counters: vec![(String::new(), 1)],
         transport: Some(Transport::Rdma),
+        model: None,
     });
     invalid(StatusReply {
         generation: Generation(1),
@@ -824,6 +838,7 @@ fn semantic_limits() {
         workers: vec![],
         counters: vec![("c".into(), 1); MAX_COUNTERS + 1],
         transport: Some(Transport::Rdma),
+        model: None,
     });
 }
 
@@ -846,13 +861,16 @@ fn largest_valid_bodies_fit_a_frame() {
             source: "prefill-0".into(),
             manifest: m,
             max_new_tokens: u32::MAX,
+            last_token: u32::MAX,
+            sampling: crate::proto::Sampling::GREEDY,
         }
         .into(),
         Submit {
             tenant: "t".repeat(MAX_TENANT_BYTES),
-            prompt: vec![0xff; MAX_PROMPT_BYTES],
+            prompt: vec![u32::MAX; MAX_PROMPT_TOKENS],
             max_new_tokens: u32::MAX,
             deadline_ms: u32::MAX,
+            sampling: crate::proto::Sampling::GREEDY,
         }
         .into(),
         Tokens {
@@ -887,6 +905,7 @@ fn largest_valid_bodies_fit_a_frame() {
             ],
             counters: vec![("c".repeat(MAX_COUNTER_NAME_BYTES), u64::MAX); MAX_COUNTERS],
             transport: Some(Transport::Tcp),
+            model: None,
         }
         .into(),
     ];
@@ -921,8 +940,8 @@ fn error_policy() {
     assert_eq!(
         Hello {
             role: Role::Client,
-            min_version: 3,
-            max_version: 4
+            min_version: 4,
+            max_version: 5
         }
         .negotiate(),
         None
@@ -939,7 +958,7 @@ fn arb_owner() -> impl Strategy<Value = Owner> {
 fn arb_submit() -> impl Strategy<Value = Submit> {
     (
         "[A-Za-z0-9_.-]{1,64}",
-        proptest::collection::vec(any::<u8>(), 1..2048),
+        proptest::collection::vec(any::<u32>(), 1..2048),
         1..=u32::MAX,
         any::<u32>(),
     )
@@ -948,6 +967,7 @@ fn arb_submit() -> impl Strategy<Value = Submit> {
             prompt,
             max_new_tokens,
             deadline_ms,
+            sampling: crate::proto::Sampling::GREEDY,
         })
 }
 
@@ -958,8 +978,9 @@ fn arb_pull() -> impl Strategy<Value = PullKv> {
         proptest::collection::hash_set(any::<u32>(), 1..512),
         any::<u32>(),
         1..=u32::MAX,
+        any::<u32>(),
     )
-        .prop_map(|(owner, tokens, pages, seed, max_new_tokens)| {
+        .prop_map(|(owner, tokens, pages, seed, max_new_tokens, last_token)| {
             let pages: Vec<PageId> = pages.into_iter().map(PageId).collect();
             let digests = pages.iter().map(|p| p.0.wrapping_mul(seed)).collect();
             PullKv {
@@ -971,6 +992,8 @@ fn arb_pull() -> impl Strategy<Value = PullKv> {
                     digests,
                 },
                 max_new_tokens,
+                last_token,
+                sampling: crate::proto::Sampling::GREEDY,
             }
         })
 }

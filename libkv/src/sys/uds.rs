@@ -561,9 +561,10 @@ mod tests {
     fn submit_msg() -> Message {
         Submit {
             tenant: "t".into(),
-            prompt: b"why is the sky blue".to_vec(),
+            prompt: crate::model::tokenize(b"why is the sky blue"),
             max_new_tokens: 8,
             deadline_ms: 0,
+            sampling: crate::proto::Sampling::GREEDY,
         }
         .into()
     }
@@ -752,6 +753,7 @@ mod tests {
             pool_pages: 4,
             transports: vec![crate::proto::Transport::Shm],
             endpoint: None,
+            model: "reference".into(),
         });
         send_frame(&a, &msg.encode(RequestId(0)).unwrap(), &[]).unwrap();
         assert!(matches!(

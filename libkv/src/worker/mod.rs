@@ -13,7 +13,7 @@ pub use link::{Link, LinkError, LinkEvent, Load, RunOptions, Shutdown, Worker, s
 use crate::config::{Backend, Config, ConfigError, Side, TransportKind};
 use crate::memory::HostMemory;
 use crate::metrics::{Board, WorkerSample};
-use crate::model::{ModelError, ReferenceModel};
+use crate::model::{ModelError, ModelRunner};
 use crate::pool::{PagePool, PoolError, PoolOptions, Reservation};
 use crate::proto::{ErrorCode, PoolReport, RegisterWorker, Role, TcpEndpoint, Transport};
 use crate::rdma::{RdmaError, RdmaNode};
@@ -59,6 +59,9 @@ pub enum WorkerError {
     /// The page geometry cannot run the reference model.
     #[error("the page geometry cannot run the reference model")]
     Model(#[source] ModelError),
+    /// The model of `[model]` could not be loaded, or does not fit `[geometry]`.
+    #[error("loading the model of [model]")]
+    ModelLoad(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// Creating the pool's shared memory failed.
     #[error("creating {bytes} bytes of pool memory")]
     Memory {
@@ -111,6 +114,7 @@ impl WorkerError {
             WorkerError::BackendUnavailable { .. }
             | WorkerError::PoolExceedsMemory { .. }
             | WorkerError::Model(_)
+            | WorkerError::ModelLoad(_)
             | WorkerError::Transfer(_)
             | WorkerError::MetricsListen(_) => true,
             WorkerError::Rdma(e) => e.is_config(),
@@ -295,8 +299,8 @@ pub struct Startup {
     pub id: String,
     /// Which worker this is.
     pub side: Side,
-    /// The reference model for the configured geometry.
-    pub model: ReferenceModel,
+    /// The model of `[model]`, over the configured geometry.
+    pub model: Arc<dyn ModelRunner>,
     /// The worker's page pool, on a sealed memfd.
     pub pool: PagePool,
     /// A read-only re-open of the pool's memfd: only for prefilld on shared memory, the one
@@ -314,12 +318,27 @@ pub struct Startup {
 }
 
 impl Startup {
-    /// Checks that `side`'s pool can run in this build, creates the model, the pool, the RDMA
-    /// device and the poller.
-    pub fn new(cfg: &Config, side: Side) -> Result<Startup, WorkerError> {
+    /// Checks that `side`'s pool can run in this build and that `model` (loaded from
+    /// `[model]` by the worker) runs on the configured geometry, then creates the pool, the
+    /// RDMA device and the poller.
+    pub fn new(
+        cfg: &Config,
+        side: Side,
+        model: Arc<dyn ModelRunner>,
+    ) -> Result<Startup, WorkerError> {
         let pool_cfg = cfg.pool(side);
         preflight(cfg, side)?;
-        let model = ReferenceModel::new(cfg.geometry).map_err(WorkerError::Model)?;
+        if *model.geometry() != cfg.geometry {
+            return Err(WorkerError::ModelLoad(
+                format!(
+                    "the model {} runs on {:?}, [geometry] is {:?}",
+                    model.model_id(),
+                    model.geometry(),
+                    cfg.geometry
+                )
+                .into(),
+            ));
+        }
         let bytes = pool_cfg.pool_bytes(&cfg.geometry);
         let (name, default_id) = match side {
             Side::Prefill => (c"kvfence-prefill", "prefill"),
@@ -403,6 +422,7 @@ impl Startup {
             pool_pages: self.pool.pages(),
             transports,
             endpoint,
+            model: self.model.model_id(),
         }
     }
 }

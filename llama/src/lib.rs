@@ -1,0 +1,20 @@
+//! A Llama-architecture model runner over kvfence pages.
+//!
+//! - [`gguf`]: the GGUF file format (metadata and tensors) and exact dequantization of the
+//!   tensor types a model file holds.
+//! - [`weights`]: the model's hyper-parameters and its weights, dequantized to f32.
+//! - [`tokenizer`]: byte-level BPE from the GGUF vocabulary; [`chat`]: the ChatML template.
+//! - [`load`]: the runner and tokenizer a worker's `[model]` section names.
+//! - [`runner`]: the forward pass behind libkv's `ModelRunner`, prefilling into pages and
+//!   decoding from them; [`sample`]: greedy or seeded sampling of the next token.
+
+pub mod chat;
+pub mod gguf;
+pub mod load;
+mod math;
+pub mod runner;
+pub mod sample;
+pub mod tokenizer;
+pub mod weights;
+
+pub use load::{LoadError, LoadedModel, load};
