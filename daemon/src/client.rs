@@ -15,8 +15,8 @@
 
 use libkv::config::Deadlines;
 use libkv::proto::{
-    Done, Drain, ErrorCode, Hello, Message, MsgType, ProtoError, Role, StatusQuery, StatusReply,
-    Submit, WorkerStatus,
+    Done, Drain, ErrorCode, Hello, Message, MsgType, ProtoError, Role, Sampling, StatusQuery,
+    StatusReply, Submit, WorkerStatus,
 };
 use libkv::sys::uds::{FrameReader, UdsError, send_frame};
 use libkv::{Generation, RequestId};
@@ -115,6 +115,10 @@ pub enum ClientError {
     /// connection; connect again.
     #[error("connection unusable after an earlier failure; connect again")]
     Unusable,
+    /// The caller abandoned the request while its tokens arrived; the connection is shut
+    /// down, so kvctld aborts the request.
+    #[error("request abandoned by the caller")]
+    Cancelled,
 }
 
 impl ClientError {
@@ -152,7 +156,8 @@ impl ClientError {
             | ClientError::Recv(_)
             | ClientError::Unexpected { .. }
             | ClientError::BadReply { .. }
-            | ClientError::Unusable => exit::FAILED,
+            | ClientError::Unusable
+            | ClientError::Cancelled => exit::FAILED,
         }
     }
 
@@ -352,32 +357,50 @@ impl Client {
         result
     }
 
-    /// Runs one request: submits `prompt` (bytes are tokens) for `tenant`, calls `on_tokens`
-    /// with every batch of tokens as it arrives, and returns the whole output and the workers
-    /// that served it once `Done` arrives. `deadline_ms` 0 takes kvctld's default deadline. An `Error` frame becomes
+    /// Runs one request: submits `prompt` (token ids of the served model) for `tenant`,
+    /// decoded greedily, calls `on_tokens` with every batch of tokens as it arrives, and
+    /// returns the whole output and the workers that served it once `Done` arrives.
+    /// `deadline_ms` 0 takes kvctld's default deadline. An `Error` frame becomes
     /// [`ClientError::Server`]; no reply within the deadline plus [`REPLY_SLACK`] becomes
     /// [`ClientError::TimedOut`].
     pub fn generate(
         &mut self,
         tenant: &str,
-        prompt: &[u8],
+        prompt: &[u32],
         max_new_tokens: u32,
         deadline_ms: u32,
         mut on_tokens: impl FnMut(&[u32]),
     ) -> Result<GenerateOutcome, ClientError> {
-        self.check_usable()?;
-        let submit = Message::from(Submit {
+        let submit = Submit {
             tenant: tenant.to_owned(),
             prompt: prompt.to_vec(),
             max_new_tokens,
             deadline_ms,
-        });
-        submit.validate().map_err(ClientError::InvalidRequest)?;
-        let wait = if deadline_ms == 0 {
+            sampling: Sampling::GREEDY,
+        };
+        self.submit(submit, |t| {
+            on_tokens(t);
+            true
+        })
+    }
+
+    /// Runs the request `submit` as [`Client::generate`] does, with its own sampling. When
+    /// `on_tokens` answers `false` the request is abandoned: the connection is shut down, so
+    /// kvctld aborts the request and frees its pages, and the call returns
+    /// [`ClientError::Cancelled`]; connect again for the next request.
+    pub fn submit(
+        &mut self,
+        submit: Submit,
+        mut on_tokens: impl FnMut(&[u32]) -> bool,
+    ) -> Result<GenerateOutcome, ClientError> {
+        self.check_usable()?;
+        let wait = if submit.deadline_ms == 0 {
             self.default_deadline
         } else {
-            Duration::from_millis(u64::from(deadline_ms))
+            Duration::from_millis(u64::from(submit.deadline_ms))
         };
+        let submit = Message::from(submit);
+        submit.validate().map_err(ClientError::InvalidRequest)?;
         self.send(&submit)?;
         let deadline = Instant::now() + wait + REPLY_SLACK;
         let result = self.collect(deadline, &mut on_tokens);
@@ -386,13 +409,17 @@ impl Client {
         if matches!(result, Err(ref e) if e.server_code().is_none()) {
             self.broken = true;
         }
+        if matches!(result, Err(ClientError::Cancelled)) {
+            // kvctld sees the connection close and aborts the request.
+            let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        }
         result
     }
 
     fn collect(
         &mut self,
         deadline: Instant,
-        on_tokens: &mut impl FnMut(&[u32]),
+        on_tokens: &mut impl FnMut(&[u32]) -> bool,
     ) -> Result<GenerateOutcome, ClientError> {
         let mut request: Option<RequestId> = None;
         let mut tokens: Vec<u32> = Vec::new();
@@ -417,7 +444,9 @@ impl Client {
                         });
                     }
                     tokens.extend_from_slice(&t.tokens);
-                    on_tokens(&t.tokens);
+                    if !on_tokens(&t.tokens) {
+                        return Err(ClientError::Cancelled);
+                    }
                 }
                 Message::Done(done) => {
                     let request = check_request_id(&mut request, id, MsgType::Done)?;
@@ -644,7 +673,9 @@ mod tests {
         assert_eq!(c.generation(), Generation(9));
         let mut batches = Vec::new();
         let out = c
-            .generate("acme", b"hi!", 3, 1000, |t| batches.push(t.to_vec()))
+            .generate("acme", &libkv::model::tokenize(b"hi!"), 3, 1000, |t| {
+                batches.push(t.to_vec())
+            })
             .unwrap();
         assert_eq!(out.request, RequestId(7));
         assert_eq!(out.tokens, vec![104, 105, 33]);
@@ -675,7 +706,9 @@ mod tests {
             );
         });
         let mut c = Client::connect(&path, Duration::from_secs(5)).unwrap();
-        let err = c.generate("acme", b"x", 1, 1000, |_| {}).unwrap_err();
+        let err = c
+            .generate("acme", &libkv::model::tokenize(b"x"), 1, 1000, |_| {})
+            .unwrap_err();
         assert_eq!(err.server_code(), Some(ErrorCode::Rejected));
         assert_eq!(err.exit_code(), exit::REJECTED);
         assert!(err.to_string().contains("max_context"), "{err}");
@@ -693,7 +726,9 @@ mod tests {
         let mut c = Client::connect(&path, Duration::from_secs(5)).unwrap();
         c.set_default_deadline(Duration::ZERO);
         let start = Instant::now();
-        let err = c.generate("acme", b"x", 1, 1, |_| {}).unwrap_err();
+        let err = c
+            .generate("acme", &libkv::model::tokenize(b"x"), 1, 1, |_| {})
+            .unwrap_err();
         assert!(matches!(err, ClientError::TimedOut { .. }), "{err:?}");
         assert!(start.elapsed() < REPLY_SLACK + Duration::from_secs(2));
         assert_eq!(err.exit_code(), exit::UNAVAILABLE);
@@ -716,7 +751,9 @@ mod tests {
             );
         });
         let mut c = Client::connect(&path, Duration::from_secs(5)).unwrap();
-        let err = c.generate("acme", b"x", 1, 1000, |_| {}).unwrap_err();
+        let err = c
+            .generate("acme", &libkv::model::tokenize(b"x"), 1, 1000, |_| {})
+            .unwrap_err();
         assert!(matches!(err, ClientError::BadReply { .. }), "{err:?}");
         server.join().unwrap();
 
@@ -725,7 +762,9 @@ mod tests {
             reply(s, 3, done(2));
         });
         let mut c = Client::connect(&path, Duration::from_secs(5)).unwrap();
-        let err = c.generate("acme", b"x", 2, 1000, |_| {}).unwrap_err();
+        let err = c
+            .generate("acme", &libkv::model::tokenize(b"x"), 2, 1000, |_| {})
+            .unwrap_err();
         assert!(matches!(err, ClientError::BadReply { .. }), "{err:?}");
         assert_eq!(err.exit_code(), exit::FAILED);
         server.join().unwrap();
@@ -793,7 +832,9 @@ mod tests {
         let (_dir, path, server) = fake_server(|_| {});
         let mut c = Client::connect(&path, Duration::from_secs(5)).unwrap();
         for (tenant, prompt, max_new) in [("a b", &b"x"[..], 1), ("acme", b"", 1), ("t", b"x", 0)] {
-            let err = c.generate(tenant, prompt, max_new, 0, |_| {}).unwrap_err();
+            let err = c
+                .generate(tenant, &libkv::model::tokenize(prompt), max_new, 0, |_| {})
+                .unwrap_err();
             assert!(matches!(err, ClientError::InvalidRequest(_)), "{err:?}");
             assert_eq!(err.exit_code(), exit::USAGE);
         }
@@ -823,7 +864,9 @@ mod tests {
             );
         });
         let mut c = Client::connect(&path, Duration::from_secs(5)).unwrap();
-        let out = c.generate("acme", b"x", 1, 1000, |_| {}).unwrap();
+        let out = c
+            .generate("acme", &libkv::model::tokenize(b"x"), 1, 1000, |_| {})
+            .unwrap();
         assert_eq!(out.pair, ServingPair::default());
         assert_eq!(out.pair.to_string(), "? -> ?");
         server.join().unwrap();
@@ -862,6 +905,7 @@ mod tests {
                     workers: vec![worker("decode-1", false, 0)],
                     counters: Vec::new(),
                     transport: Some(Transport::Shm),
+                    model: None,
                 },
             );
         });

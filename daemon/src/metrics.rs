@@ -472,6 +472,7 @@ mod tests {
                 ("probe_mismatches".into(), 0),
             ],
             transport: Some(Transport::Shm),
+            model: None,
         }
     }
 

@@ -1,16 +1,18 @@
 //! The coherence probe: canary requests through the live system, checked against the
-//! monolithic path.
+//! monolithic path of the same model.
 //!
 //! The incident went unnoticed for two weeks because every response was a success. The
 //! probe sends a few canary prompts of known content through kvctld, prefilld and decoded
 //! and compares every output (tokens and signature) with what the same model computes
-//! without pages or transfers. A mismatch is the alarm: kvctl exits non-zero, kvctld logs at
+//! without a pool or transfers: the reference model, or the real model the workers run
+//! (greedy, so its output is one exact token sequence). A mismatch is the alarm: kvctl exits non-zero, kvctld logs at
 //! error level and counts it. Each mismatch names the prefill and decode worker that served
 //! the canary (kvctld picks the pair, so one run need not visit every worker).
 
 use crate::client::{Client, ClientError};
-use libkv::PageGeometry;
-use libkv::model::{self, ModelError, ReferenceModel};
+use libkv::model::{self, ModelError};
+use libkv::proto::Sampling;
+use llama::LoadedModel;
 use std::path::Path;
 use std::time::Duration;
 
@@ -19,11 +21,11 @@ pub const PROBE_TENANT: &str = "kvfence-probe";
 
 /// Canary prompts: different lengths so that they span one page, several pages and a
 /// partly filled last page.
-const CANARIES: [&[u8]; 4] = [
-    b"probe: the quick brown fox",
-    b"probe: 0123456789abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789",
-    b"p",
-    b"probe: a longer canary that spans several pages of sixteen tokens each, so that a stale page in the middle of a reservation would be read by the copy head",
+const CANARIES: [&str; 4] = [
+    "probe: the quick brown fox",
+    "probe: 0123456789abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789",
+    "p",
+    "probe: a longer canary that spans several pages of sixteen tokens each, so that a stale page in the middle of a reservation would be read by the copy head",
 ];
 
 /// What one probe run found.
@@ -49,7 +51,7 @@ impl ProbeReport {
 /// Errors that stop a probe before it could judge anything.
 #[derive(Debug, thiserror::Error)]
 pub enum ProbeError {
-    #[error("the reference model does not run on this geometry")]
+    #[error("computing a canary's expected output")]
     Model(#[source] ModelError),
     #[error("connecting to kvctld")]
     Connect(#[source] ClientError),
@@ -58,18 +60,19 @@ pub enum ProbeError {
 /// Sends every canary once, with `max_new` new tokens each, and compares.
 pub fn run_probe(
     socket: &Path,
-    geometry: PageGeometry,
+    model: &LoadedModel,
     max_new: u32,
     timeout: Duration,
 ) -> Result<ProbeReport, ProbeError> {
-    let model = ReferenceModel::new(geometry).map_err(ProbeError::Model)?;
     let mut client = Client::connect(socket, timeout).map_err(ProbeError::Connect)?;
     let mut report = ProbeReport::default();
     for prompt in CANARIES {
         report.requests += 1;
-        let expected = model::monolithic(&model, &model::tokenize(prompt), max_new)
-            .map_err(ProbeError::Model)?;
-        match client.generate(PROBE_TENANT, prompt, max_new, 0, |_| {}) {
+        let prompt = model.encode(prompt);
+        let expected =
+            model::monolithic_paged(model.runner.as_ref(), &prompt, max_new, &Sampling::GREEDY)
+                .map_err(ProbeError::Model)?;
+        match client.generate(PROBE_TENANT, &prompt, max_new, 0, |_| {}) {
             Ok(out)
                 if out.tokens == expected.tokens && out.done.signature == expected.signature =>
             {
@@ -79,9 +82,9 @@ pub fn run_probe(
                 "{} via {}: got {:?} (signature {:#018x}), expected {:?} (signature {:#018x})",
                 out.request,
                 out.pair,
-                model::detokenize(&out.tokens),
+                model.decode(&out.tokens),
                 out.done.signature,
-                model::detokenize(&expected.tokens),
+                model.decode(&expected.tokens),
                 expected.signature
             )),
             Err(e) => {

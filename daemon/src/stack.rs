@@ -1110,6 +1110,7 @@ mod tests {
                             workers,
                             counters: Vec::new(),
                             transport: Some(Transport::Shm),
+                            model: None,
                         }
                         .into()
                     }

@@ -66,6 +66,7 @@ fn config(pairing: Pairing, queue: usize) -> CoreConfig {
         pairing,
         seed: 7,
         placeholder_fault: false,
+        model_kind: libkv::config::ModelKind::Reference,
     }
 }
 
@@ -192,6 +193,7 @@ impl Sim {
             pool_pages: sw.pool,
             transports: vec![Transport::Shm, Transport::Tcp],
             endpoint,
+            model: "reference".into(),
         };
         let now = self.now();
         assert!(self.core.register(conn, r, true, now).is_ok());
@@ -425,9 +427,10 @@ impl Sim {
             .insert(RequestId(self.log.submitted), client);
         let s = Submit {
             tenant: format!("t{client}"),
-            prompt: vec![b'x'; prompt as usize],
+            prompt: vec![u32::from(b'x'); prompt as usize],
             max_new_tokens: max_new,
             deadline_ms,
+            sampling: libkv::proto::Sampling::GREEDY,
         };
         let now = self.now();
         self.core.submit(conn, s, now);

@@ -133,6 +133,7 @@ fn serve(s: &UnixStream, workers: &Mutex<Vec<WorkerStatus>>, queries: &AtomicU64
                         ]
                     },
                     transport: Some(Transport::Tcp),
+                    model: None,
                 };
                 send(0, reply.into())
             }
@@ -152,7 +153,7 @@ fn serve(s: &UnixStream, workers: &Mutex<Vec<WorkerStatus>>, queries: &AtomicU64
                 send(0, reply)
             }
             Message::Submit(m) => {
-                let tokens: Vec<u32> = m.prompt.iter().map(|&b| u32::from(b)).collect();
+                let tokens: Vec<u32> = m.prompt.clone();
                 let n = u32::try_from(tokens.len()).unwrap();
                 send(
                     9,

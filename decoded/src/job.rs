@@ -11,8 +11,9 @@ use crossbeam::channel::{Receiver, Sender};
 use libkv::Owner;
 use libkv::RequestId;
 use libkv::memory::ForeignPool;
-use libkv::model::{ModelRunner, ReferenceModel};
+use libkv::model::ModelRunner;
 use libkv::pool::{Reservation, WriteGrant};
+use libkv::proto::Sampling;
 use libkv::proto::TOKEN_BYTES;
 use libkv::proto::{Done, Error, ErrorCode, Message, PageRequest, PullDone, RdmaReadDone, Tokens};
 use libkv::rdma::{ClientSession, RdmaNode};
@@ -40,6 +41,10 @@ pub(crate) struct Job {
     pub res: Reservation,
     pub manifest: Manifest,
     pub max_new_tokens: u32,
+    /// The prompt's last token, the input of the first decode step.
+    pub last_token: u32,
+    /// How to pick each new token.
+    pub sampling: Sampling,
     pub cancel: Arc<AtomicBool>,
     /// When the pages were reserved (for `Done::elapsed_us`).
     pub since: Instant,
@@ -472,7 +477,7 @@ pub(crate) enum JobEvent {
 /// What every job shares.
 #[derive(Debug)]
 pub(crate) struct JobContext {
-    pub model: ReferenceModel,
+    pub model: Arc<dyn ModelRunner>,
     pub counters: Arc<Counters>,
     pub events: Sender<JobEvent>,
     pub waker: Arc<Waker>,
@@ -581,6 +586,8 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
         mut res,
         manifest,
         max_new_tokens,
+        last_token,
+        sampling,
         cancel,
         since,
         transfer,
@@ -682,7 +689,7 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
     emit(PullDone { owner }.into());
 
     let decode_deadline = (Instant::now() + decode).min(request_deadline);
-    let model: &dyn ModelRunner = &ctx.model;
+    let model: &dyn ModelRunner = ctx.model.as_ref();
     let mut batch = Vec::with_capacity(TOKENS_PER_FRAME);
     let mut first_index = 0u32;
     check(decode_deadline, "decode")?;
@@ -690,7 +697,9 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
         model,
         &mut kv,
         manifest.tokens,
+        last_token,
         max_new_tokens,
+        &sampling,
         |step, token| {
             add(&counters.tokens_generated, 1);
             batch.push(token);
@@ -708,11 +717,21 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
             check(decode_deadline, "decode")
         },
     )?;
+    if !batch.is_empty() {
+        // The model stopped (end of turn) before max_new_tokens: the last frame is short.
+        emit(
+            Tokens {
+                first_index,
+                tokens: batch,
+            }
+            .into(),
+        );
+    }
     let signature = output.signature;
     let pages = u32::try_from(manifest.pages.len()).unwrap_or(u32::MAX);
     emit(
         Done {
-            tokens: max_new_tokens,
+            tokens: u32::try_from(output.tokens.len()).unwrap_or(u32::MAX),
             signature,
             pages_transferred: pages,
             bytes_transferred: u64::from(pages) * page_bytes,

@@ -112,7 +112,9 @@ struct Decode {
 pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
     // The decode pool's fd never leaves this process: only the pool holds it. Registered
     // with RDMA for local access only: reads land here, no peer gets a key to it.
-    let mut start = Startup::new(&cfg, Side::Decode)?;
+    let model = llama::load(&cfg.model, cfg.geometry, cfg.model.threads())
+        .map_err(|e| WorkerError::ModelLoad(e.into()))?;
+    let mut start = Startup::new(&cfg, Side::Decode, model.runner)?;
     let mut transports = vec![Transport::Shm, Transport::Tcp];
     if start.rdma.is_some() {
         transports.push(Transport::Rdma);
@@ -268,6 +270,8 @@ impl Decode {
             res,
             manifest: m.manifest,
             max_new_tokens: m.max_new_tokens,
+            last_token: m.last_token,
+            sampling: m.sampling,
             cancel: Arc::clone(&cancel),
             since,
             transfer: self.deadlines.transfer,
@@ -746,7 +750,7 @@ mod tests {
             id,
             PrefillRun {
                 owner: owner(11),
-                prompt: PROMPT.to_vec(),
+                prompt: libkv::model::tokenize(PROMPT),
             },
         );
         let Message::PrefillDone(PrefillDone { manifest }) = pre.next_frame().1 else {
@@ -759,6 +763,8 @@ mod tests {
                 source: SOURCE.into(),
                 manifest,
                 max_new_tokens: max_new,
+                sampling: libkv::proto::Sampling::GREEDY,
+                last_token: 0,
             },
         );
         assert_eq!(
@@ -825,6 +831,8 @@ mod tests {
                 source: SOURCE.into(),
                 manifest,
                 max_new_tokens: 8,
+                sampling: libkv::proto::Sampling::GREEDY,
+                last_token: 0,
             },
         );
         let reason = expect_error(peer.next_frame().1, ErrorCode::VerifyFailed);
@@ -847,6 +855,8 @@ mod tests {
                 source: SOURCE.into(),
                 manifest,
                 max_new_tokens: 8,
+                sampling: libkv::proto::Sampling::GREEDY,
+                last_token: 0,
             },
         );
         let reason = expect_error(peer.next_frame().1, ErrorCode::VerifyFailed);
@@ -871,6 +881,8 @@ mod tests {
                 source: SOURCE.into(),
                 manifest: manifest.clone(),
                 max_new_tokens: 8,
+                sampling: libkv::proto::Sampling::GREEDY,
+                last_token: 0,
             },
         );
         let reason = expect_error(peer.next_frame().1, ErrorCode::BadRequest);
@@ -888,6 +900,8 @@ mod tests {
                 source: SOURCE.into(),
                 manifest,
                 max_new_tokens: 8,
+                sampling: libkv::proto::Sampling::GREEDY,
+                last_token: 0,
             },
         );
         expect_error(peer.next_frame().1, ErrorCode::BadRequest);
@@ -907,6 +921,8 @@ mod tests {
                 source: SOURCE.into(),
                 manifest: manifest.clone(),
                 max_new_tokens: 4,
+                sampling: libkv::proto::Sampling::GREEDY,
+                last_token: 0,
             },
         );
         let reason = expect_error(peer.next_frame().1, ErrorCode::BadRequest);
@@ -954,7 +970,7 @@ mod tests {
             RequestId(5),
             PrefillRun {
                 owner: owner(5),
-                prompt: PROMPT.to_vec(),
+                prompt: libkv::model::tokenize(PROMPT),
             },
         );
         expect_error(peer.next_frame().1, ErrorCode::BadRequest);
@@ -965,6 +981,8 @@ mod tests {
                 source: SOURCE.into(),
                 manifest,
                 max_new_tokens: 4,
+                sampling: libkv::proto::Sampling::GREEDY,
+                last_token: 0,
             },
         );
         assert!(matches!(peer.next_frame().1, Message::PullDone(_)));
@@ -998,6 +1016,8 @@ mod tests {
                 source: SOURCE.into(),
                 manifest,
                 max_new_tokens: max_new,
+                sampling: libkv::proto::Sampling::GREEDY,
+                last_token: 0,
             },
         );
         peer.send(RequestId(2), abort(2));
@@ -1050,6 +1070,8 @@ mod tests {
                 source: SOURCE.into(),
                 manifest,
                 max_new_tokens: 8,
+                sampling: libkv::proto::Sampling::GREEDY,
+                last_token: 0,
             },
         );
         expect_error(peer.next_frame().1, ErrorCode::WorkerLost);
@@ -1093,6 +1115,8 @@ mod tests {
             source: source.into(),
             manifest,
             max_new_tokens,
+            sampling: libkv::proto::Sampling::GREEDY,
+            last_token: 0,
         }
     }
 
@@ -1331,7 +1355,7 @@ mod tests {
                 let pages = reserve(&mut dec, request, n, 8);
                 let run = PrefillRun {
                     owner: owner(request),
-                    prompt: prompt.to_vec(),
+                    prompt: libkv::model::tokenize(prompt),
                 };
                 pre.send(RequestId(request), run);
                 let Message::PrefillDone(PrefillDone { manifest }) = pre.next_frame().1 else {
@@ -1394,6 +1418,8 @@ mod tests {
                     digests: vec![0; manifest_pages as usize],
                 },
                 max_new_tokens: 4,
+                sampling: libkv::proto::Sampling::GREEDY,
+                last_token: 0,
             },
         );
         // Nothing happens on the link while the pull waits, yet a report comes that shows

@@ -18,7 +18,7 @@ pub mod pageserver;
 use pageserver::{HeldMap, PageServer, Served};
 
 use libkv::config::{Config, Side};
-use libkv::model::{ModelError, ModelRunner, ReferenceModel, tokenize};
+use libkv::model::{ModelError, ModelRunner};
 use libkv::pool::{PagePool, PoolError, Reservation};
 use libkv::proto::{
     ErrorCode, Freed, Header, Message, PrefillDone, PrefillRun, RegisterAck, TcpEndpoint, Transport,
@@ -59,7 +59,7 @@ libkv::worker_counters! {
 #[derive(Debug)]
 struct Prefill {
     pool: PagePool,
-    model: ReferenceModel,
+    model: Arc<dyn ModelRunner>,
     counters: Arc<Counters>,
     /// Pages kept per owner until Release, Abort or their deadline; shared with the page
     /// server, which serves only these.
@@ -92,7 +92,9 @@ const ABANDON_CHECK: Duration = Duration::from_millis(5);
 /// first), or until kvctld refuses its registration for good.
 pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
     let listen = cfg.transfer.listen_addr().map_err(WorkerError::Transfer)?;
-    let mut start = Startup::new(&cfg, Side::Prefill)?;
+    let model = llama::load(&cfg.model, cfg.geometry, cfg.model.threads())
+        .map_err(|e| WorkerError::ModelLoad(e.into()))?;
+    let mut start = Startup::new(&cfg, Side::Prefill, model.runner)?;
     let counters = Arc::new(Counters::default());
     let held = HeldMap::default();
     let (server, endpoint) = match listen {
@@ -182,7 +184,7 @@ impl Prefill {
             let reason = format!("duplicate PrefillRun for {owner}");
             return refuse(link, id, ErrorCode::BadRequest, reason);
         }
-        let tokens = tokenize(&run.prompt);
+        let tokens = run.prompt;
         let n = match u32::try_from(tokens.len()) {
             Ok(n) if n <= self.max_context => n,
             _ => {
@@ -477,7 +479,7 @@ mod tests {
     fn run_msg(request: u64, prompt: &[u8]) -> PrefillRun {
         PrefillRun {
             owner: owner(request),
-            prompt: prompt.to_vec(),
+            prompt: libkv::model::tokenize(prompt),
         }
     }
 
@@ -566,7 +568,7 @@ mod tests {
             RequestId(2),
             PrefillRun {
                 owner: stale,
-                prompt: PROMPT.to_vec(),
+                prompt: libkv::model::tokenize(PROMPT),
             },
         );
         let reason = expect_error(peer.next_frame().1, ErrorCode::BadRequest);

@@ -288,7 +288,13 @@ pub fn under_load<R>(
                     let started = Instant::now();
                     let result =
                         Client::connect(socket, Duration::from_secs(5)).and_then(|mut c| {
-                            c.generate(tenant, &prompt, max_new, deadline_ms, |_| {})
+                            c.generate(
+                                tenant,
+                                &libkv::model::tokenize(&prompt),
+                                max_new,
+                                deadline_ms,
+                                |_| {},
+                            )
                         });
                     let attempt = Attempt {
                         thread: t,
@@ -337,7 +343,7 @@ pub fn serves_again(stack: &Stack, model: &ReferenceModel, id: &str) {
                         let out = stack
                             .client()
                             .expect("client")
-                            .generate("rejoin", &p, 32, 10_000, |_| {})
+                            .generate("rejoin", &libkv::model::tokenize(&p), 32, 10_000, |_| {})
                             .unwrap_or_else(|e| {
                                 panic!("request after {id} rejoined: {}", error_chain(&e))
                             });

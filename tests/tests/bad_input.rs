@@ -137,7 +137,13 @@ fn normal_request(model: &ReferenceModel, client: &mut Client, n: usize, what: &
     let prompt = format!("[good tenant secret n{n:04}] the quick brown fox {what}");
     let max_new = 8 + (n % 16) as u32;
     let out: GenerateOutcome = client
-        .generate("good", prompt.as_bytes(), max_new, 10_000, |_| {})
+        .generate(
+            "good",
+            &libkv::model::tokenize(prompt.as_bytes()),
+            max_new,
+            10_000,
+            |_| {},
+        )
         .unwrap_or_else(|e| panic!("after {what}: a normal request failed: {}", error_chain(&e)));
     let want = monolithic(model, &tokenize(prompt.as_bytes()), max_new).expect("monolithic");
     assert_eq!(out.tokens, want.tokens, "after {what}: tokens differ");
@@ -352,15 +358,17 @@ fn register(id: &str, role: Role, geometry: PageGeometry, pool_pages: u32) -> Re
         pool_pages,
         transports: vec![Transport::Shm],
         endpoint: None,
+        model: "reference".into(),
     }
 }
 
 fn submit(tenant: &str) -> Submit {
     Submit {
         tenant: tenant.to_owned(),
-        prompt: b"hello".to_vec(),
+        prompt: libkv::model::tokenize(b"hello"),
         max_new_tokens: 4,
         deadline_ms: 1000,
+        sampling: libkv::proto::Sampling::GREEDY,
     }
 }
 
@@ -617,6 +625,8 @@ fn hostile_frames_and_floods_are_refused_while_normal_clients_are_served() {
                     source: "prefill-0".into(),
                     manifest: manifest(o, vec![PageId(1_000_000_000), PageId(u32::MAX)]),
                     max_new_tokens: 4,
+                    sampling: libkv::proto::Sampling::GREEDY,
+                    last_token: 0,
                 },
                 1,
             ),

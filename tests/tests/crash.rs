@@ -278,7 +278,13 @@ impl Load<'_> {
             let started = Instant::now();
             let result = Client::connect(self.socket, Duration::from_secs(2)).and_then(|mut c| {
                 c.set_default_deadline(Duration::from_millis(u64::from(DEADLINE_MS)));
-                c.generate(tenant, &p, max_new, DEADLINE_MS, |_| {})
+                c.generate(
+                    tenant,
+                    &libkv::model::tokenize(&p),
+                    max_new,
+                    DEADLINE_MS,
+                    |_| {},
+                )
             });
             let elapsed = started.elapsed();
             let outcome = match &result {
@@ -625,7 +631,9 @@ fn killing_any_process_of_several_workers_fails_requests_cleanly_and_leaks_no_pa
             );
             let out = stack
                 .client()
-                .and_then(|mut c| c.generate(tenant, &p, 24, DEADLINE_MS, |_| {}))
+                .and_then(|mut c| {
+                    c.generate(tenant, &libkv::model::tokenize(&p), 24, DEADLINE_MS, |_| {})
+                })
                 .unwrap_or_else(|e| {
                     panic!(
                         "round {round}: request after {victim} restarted failed: {}",

@@ -86,7 +86,7 @@ fn a_second_kvctld_on_a_live_socket_refuses_and_the_first_keeps_serving() {
     let prompt = b"still served by the first kvctld";
     let out = stack
         .client()
-        .and_then(|mut c| c.generate("acme", prompt, 8, 0, |_| {}))
+        .and_then(|mut c| c.generate("acme", &libkv::model::tokenize(prompt), 8, 0, |_| {}))
         .unwrap_or_else(|e| panic!("generate: {}", error_chain(&e)));
     let want = monolithic(&model, &tokenize(prompt), 8).expect("monolithic");
     assert_eq!(out.tokens, want.tokens);
@@ -235,12 +235,14 @@ fn quiet_connections_hold_no_buffers_after_a_large_frame() {
         &cfg.control.socket
     )));
     let base = rss_kib(k.pid());
-    // A prompt far over max_context (4096): rejected, the connection stays open.
+    // A prompt far over max_context (4096): rejected, the connection stays open. Token ids
+    // of 28 bits take 4 bytes each on the wire: a frame of 512 KiB.
     let submit = Message::from(Submit {
         tenant: "acme".into(),
-        prompt: vec![b'x'; 500 * 1024],
+        prompt: vec![0x0FFF_FFFF; libkv::proto::MAX_PROMPT_TOKENS],
         max_new_tokens: 8,
         deadline_ms: 0,
+        sampling: libkv::proto::Sampling::GREEDY,
     })
     .encode(RequestId(0))
     .unwrap();
@@ -262,7 +264,7 @@ fn quiet_connections_hold_no_buffers_after_a_large_frame() {
     let grown = held.saturating_sub(base);
     eprintln!(
         "kvctld RSS: {base} KiB before, {held} KiB with {CONNS} quiet connections that each \
-         sent 500 KiB ({} bytes per connection)",
+         sent 512 KiB ({} bytes per connection)",
         grown * 1024 / CONNS as u64
     );
     assert!(
@@ -360,7 +362,15 @@ fn a_flood_of_idle_connections_from_one_uid_leaves_the_others_served() {
         let prompt = format!("request {i} of a uid that is not flooding");
         let out = stack
             .client()
-            .and_then(|mut c| c.generate("acme", prompt.as_bytes(), 8, 5000, |_| {}))
+            .and_then(|mut c| {
+                c.generate(
+                    "acme",
+                    &libkv::model::tokenize(prompt.as_bytes()),
+                    8,
+                    5000,
+                    |_| {},
+                )
+            })
             .map_err(|e| error_chain(&e))?;
         let want = monolithic(&model, &tokenize(prompt.as_bytes()), 8).expect("monolithic");
         (out.tokens == want.tokens)
@@ -509,7 +519,7 @@ fn an_idle_client_is_closed_but_not_one_with_a_request_in_flight() {
     let mut client = stack.client().unwrap();
     let r = client.generate(
         "acme",
-        b"a request that outlives the idle timeout",
+        &libkv::model::tokenize(b"a request that outlives the idle timeout"),
         8,
         5000,
         |_| {},

@@ -83,7 +83,7 @@ fn incident_violations(stack: &Stack, bin_dir: &Path) -> Vec<String> {
 
     // 1. The client library.
     let mut c = stack.client().unwrap();
-    match c.generate("victim", &long, 8, 0, |_| {}) {
+    match c.generate("victim", &libkv::model::tokenize(&long), 8, 0, |_| {}) {
         Err(e) if e.server_code() == Some(ErrorCode::Rejected) => {
             let msg = e.to_string();
             if !msg.contains(&cfg.limits.max_context.to_string()) {
@@ -105,9 +105,10 @@ fn incident_violations(stack: &Stack, bin_dir: &Path) -> Vec<String> {
     send(
         Submit {
             tenant: "raw".into(),
-            prompt: long.clone(),
+            prompt: libkv::model::tokenize(&long),
             max_new_tokens: 8,
             deadline_ms: 0,
+            sampling: libkv::proto::Sampling::GREEDY,
         }
         .into(),
     );
@@ -161,7 +162,7 @@ fn over_long_prompt_is_rejected_at_admission_everywhere() {
     // A normal request goes through first, so the counters are known to work.
     let mut c = stack.client().unwrap();
     let ok = c
-        .generate("warmup", b"hello", 4, 0, |_| {})
+        .generate("warmup", &libkv::model::tokenize(b"hello"), 4, 0, |_| {})
         .expect("a normal request succeeds");
     assert_eq!(libkv::model::detokenize(&ok.tokens), "hell");
     let violations = incident_violations(&stack, &bin);

@@ -79,7 +79,7 @@ fn the_installed_configuration_starts_on_this_host() {
     let prompt = b"a request on the installed configuration";
     let out = stack
         .client()
-        .and_then(|mut c| c.generate("acme", prompt, 8, 30_000, |_| {}))
+        .and_then(|mut c| c.generate("acme", &libkv::model::tokenize(prompt), 8, 30_000, |_| {}))
         .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     let want = monolithic(&model, &tokenize(prompt), 8).expect("monolithic");
     assert_eq!(out.tokens, want.tokens);

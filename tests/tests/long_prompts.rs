@@ -14,7 +14,7 @@ use kvfence_tests::{LogsOnPanic, bin_dir};
 use libkv::config::Config;
 use libkv::geometry::{Dtype, PageGeometry};
 use libkv::model::{ReferenceModel, monolithic, tokenize};
-use libkv::proto::{ErrorCode, MAX_PROMPT_BYTES};
+use libkv::proto::{ErrorCode, MAX_PROMPT_TOKENS};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -40,7 +40,7 @@ fn a_prompt_too_long_for_an_argument_goes_through_a_file_and_standard_input() {
     let dir = open_tempdir("kvlong.");
     let _logs = LogsOnPanic(dir.path().to_path_buf());
     let mut cfg = Config::embedded_default(dir.path().join("kvctld.sock"));
-    cfg.limits.max_context = 262_144;
+    cfg.limits.max_context = 131_072;
     let pages = cfg.geometry.pages_for_tokens(u64::from(
         cfg.limits.max_context + cfg.limits.max_new_tokens,
     ));
@@ -50,7 +50,7 @@ fn a_prompt_too_long_for_an_argument_goes_through_a_file_and_standard_input() {
     cfg.deadlines.request = 60_000;
     let stack = start(cfg, dir.path());
     let model = ReferenceModel::new(stack.config().geometry).expect("model");
-    let long = prompt(200_000);
+    let long = prompt(131_072);
     let want = monolithic(&model, &tokenize(&long), 16).expect("monolithic");
     let mut expected: Vec<u8> = want
         .tokens
@@ -66,7 +66,7 @@ fn a_prompt_too_long_for_an_argument_goes_through_a_file_and_standard_input() {
         .args(["generate", "--tenant", "acme"])
         .arg(String::from_utf8(long.clone()).unwrap())
         .output();
-    assert!(as_arg.is_err(), "a 200 KB argument was accepted");
+    assert!(as_arg.is_err(), "a 128 KiB argument was accepted");
 
     let file = dir.path().join("prompt.txt");
     std::fs::write(&file, &long).unwrap();
@@ -99,7 +99,7 @@ fn a_prompt_too_long_for_an_argument_goes_through_a_file_and_standard_input() {
 
     // Over what one Submit frame carries: refused before connecting, with the limit.
     let too_long = dir.path().join("too-long.txt");
-    std::fs::write(&too_long, prompt(MAX_PROMPT_BYTES + 1)).unwrap();
+    std::fs::write(&too_long, prompt(MAX_PROMPT_TOKENS + 1)).unwrap();
     let ran = run_bounded(
         &mut kvctl(&["--prompt-file", too_long.to_str().unwrap()]),
         None,
@@ -107,7 +107,7 @@ fn a_prompt_too_long_for_an_argument_goes_through_a_file_and_standard_input() {
     );
     assert_eq!(ran.code(), Some(1), "{}", describe("too long", &ran));
     assert!(
-        ran.stderr.contains(&MAX_PROMPT_BYTES.to_string()),
+        ran.stderr.contains(&MAX_PROMPT_TOKENS.to_string()),
         "{}",
         ran.stderr
     );
@@ -179,7 +179,7 @@ fn prefill_has_its_own_deadline_and_an_abandoned_prefill_frees_its_pages_at_once
     // The whole request is served right; the prefill alone takes `full` here.
     let out = stack
         .client()
-        .and_then(|mut c| c.generate("acme", &long, 1, 60_000, |_| {}))
+        .and_then(|mut c| c.generate("acme", &libkv::model::tokenize(&long), 1, 60_000, |_| {}))
         .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     let want = monolithic(&model, &tokenize(&long), 1).expect("monolithic");
     assert_eq!(out.tokens, want.tokens);
@@ -201,7 +201,7 @@ fn prefill_has_its_own_deadline_and_an_abandoned_prefill_frees_its_pages_at_once
     let t = Instant::now();
     let r = stack
         .client()
-        .and_then(|mut c| c.generate("acme", &long, 1, 60_000, |_| {}));
+        .and_then(|mut c| c.generate("acme", &libkv::model::tokenize(&long), 1, 60_000, |_| {}));
     let failed_after = t.elapsed();
     match r {
         Err(ClientError::Server { code, message }) => {
@@ -246,7 +246,7 @@ fn prefill_has_its_own_deadline_and_an_abandoned_prefill_frees_its_pages_at_once
     let short = prompt(500);
     let out = stack
         .client()
-        .and_then(|mut c| c.generate("acme", &short, 4, 60_000, |_| {}))
+        .and_then(|mut c| c.generate("acme", &libkv::model::tokenize(&short), 4, 60_000, |_| {}))
         .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     assert_eq!(
         out.tokens,
@@ -278,7 +278,7 @@ fn a_max_context_no_submit_frame_carries_is_refused_at_load() {
         let ran = run_bounded(&mut cmd, None, Duration::from_secs(30));
         assert_eq!(ran.code(), Some(2), "{}", describe(daemon, &ran));
         assert!(
-            ran.stderr.contains("600000") && ran.stderr.contains("524288"),
+            ran.stderr.contains("600000") && ran.stderr.contains("131072"),
             "{daemon} does not name both numbers: {}",
             ran.stderr
         );

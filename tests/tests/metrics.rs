@@ -34,7 +34,7 @@ fn a_scrape_says_what_the_stack_did() {
         let p = prompt(tenant, i, 30 + i * 37);
         let out = stack
             .client()
-            .and_then(|mut c| c.generate(tenant, &p, 5, 10_000, |_| {}))
+            .and_then(|mut c| c.generate(tenant, &libkv::model::tokenize(&p), 5, 10_000, |_| {}))
             .unwrap_or_else(|e| panic!("request {i}: {}", error_chain(&e)));
         assert_matches(&out, &expected(&model, &p, 5), &format!("request {i}"));
     }
@@ -43,7 +43,13 @@ fn a_scrape_says_what_the_stack_did() {
     assert!(
         stack
             .client()
-            .and_then(|mut c| c.generate("acme", &too_long, 1, 10_000, |_| {}))
+            .and_then(|mut c| c.generate(
+                "acme",
+                &libkv::model::tokenize(&too_long),
+                1,
+                10_000,
+                |_| {}
+            ))
             .is_err(),
         "an over-long prompt was served"
     );

@@ -98,7 +98,13 @@ fn many_workers_equal_the_monolithic_path(prefill: usize, decode: usize, transpo
             .map(|(tenant, prompt, max_new)| {
                 s.spawn(move || {
                     let mut client = stack.client()?;
-                    client.generate(tenant, prompt, *max_new, DEADLINE_MS, |_| {})
+                    client.generate(
+                        tenant,
+                        &libkv::model::tokenize(prompt),
+                        *max_new,
+                        DEADLINE_MS,
+                        |_| {},
+                    )
                 })
             })
             .collect();
@@ -245,7 +251,13 @@ fn one_request_on(stack: &Stack, pair: &ServingPair, ids: &[String]) {
     let out = stack
         .client()
         .expect("client")
-        .generate("pairs", &p, 24, DEADLINE_MS, |_| {})
+        .generate(
+            "pairs",
+            &libkv::model::tokenize(&p),
+            24,
+            DEADLINE_MS,
+            |_| {},
+        )
         .unwrap_or_else(|e| panic!("request for the pair {pair}: {}", error_chain(&e)));
     assert_eq!(
         &out.pair, pair,

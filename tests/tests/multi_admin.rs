@@ -51,7 +51,13 @@ fn serve_one(
     let out = stack
         .client()
         .expect("client")
-        .generate("ops", p, max_new, DEADLINE_MS, |_| {})
+        .generate(
+            "ops",
+            &libkv::model::tokenize(p),
+            max_new,
+            DEADLINE_MS,
+            |_| {},
+        )
         .unwrap_or_else(|e| panic!("{what}: {}", error_chain(&e)));
     assert_matches(&out, &expected(model, p, max_new), what);
     out
@@ -330,10 +336,13 @@ fn with_admission_queue_0_what_fits_is_served_and_what_must_wait_is_refused_at_o
             .map(|i| {
                 s.spawn(move || {
                     let p = prompt("holder", i, context);
-                    stack
-                        .client()
-                        .expect("client")
-                        .generate("holder", &p, new, DEADLINE_MS, |_| {})
+                    stack.client().expect("client").generate(
+                        "holder",
+                        &libkv::model::tokenize(&p),
+                        new,
+                        DEADLINE_MS,
+                        |_| {},
+                    )
                 })
             })
             .collect();
@@ -356,7 +365,7 @@ fn with_admission_queue_0_what_fits_is_served_and_what_must_wait_is_refused_at_o
                 let start = Instant::now();
                 let r = stack.client().expect("client").generate(
                     "waiter",
-                    &p,
+                    &libkv::model::tokenize(&p),
                     max_new,
                     DEADLINE_MS,
                     |_| {},
@@ -415,7 +424,13 @@ fn with_admission_queue_0_what_fits_is_served_and_what_must_wait_is_refused_at_o
                                 let mut client = stack.client().expect("client");
                                 barrier.wait();
                                 let start = Instant::now();
-                                let res = client.generate("crowd", &p, new, DEADLINE_MS, |_| {});
+                                let res = client.generate(
+                                    "crowd",
+                                    &libkv::model::tokenize(&p),
+                                    new,
+                                    DEADLINE_MS,
+                                    |_| {},
+                                );
                                 (i, res, start.elapsed())
                             })
                             .collect::<Vec<_>>()

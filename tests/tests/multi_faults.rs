@@ -282,7 +282,13 @@ fn a_prefill_worker_lost_while_idle_rejoins_under_its_id() {
         let out = stack
             .client()
             .expect("client")
-            .generate("meanwhile", &p, 16, DEADLINE_MS, |_| {})
+            .generate(
+                "meanwhile",
+                &libkv::model::tokenize(&p),
+                16,
+                DEADLINE_MS,
+                |_| {},
+            )
             .unwrap_or_else(|e| panic!("request while {victim} is lost: {}", error_chain(&e)));
         assert_eq!(
             out.pair.prefill, "prefill-0",
@@ -324,7 +330,13 @@ fn serves_once_drained_of_others(stack: &Stack, model: &ReferenceModel, id: &str
     let out = stack
         .client()
         .expect("client")
-        .generate("before", &p, 16, DEADLINE_MS, |_| {})
+        .generate(
+            "before",
+            &libkv::model::tokenize(&p),
+            16,
+            DEADLINE_MS,
+            |_| {},
+        )
         .unwrap_or_else(|e| panic!("request on {id}: {}", error_chain(&e)));
     assert_eq!(out.pair.prefill, id, "served with the others drained");
     assert_matches(&out, &expected(model, &p, 16), "request before the loss");

@@ -84,7 +84,7 @@ fn prefilld_and_decoded_on_two_network_namespaces_pull_over_tcp() {
                 s.spawn(move || {
                     let mut client = stack.client().map_err(|e| error_chain(&e))?;
                     client
-                        .generate(tenant, p, *max_new, 10_000, |_| {})
+                        .generate(tenant, &libkv::model::tokenize(p), *max_new, 10_000, |_| {})
                         .map_err(|e| error_chain(&e))
                 })
             })

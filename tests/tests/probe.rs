@@ -92,7 +92,13 @@ fn probe_catches_a_prefill_that_leaves_stale_pages() {
     let mut c = stack.client().unwrap();
     for i in 0..8 {
         let prompt = format!("tenant other secret {i} {}", "z".repeat(40 + i * 10));
-        let _ = c.generate("other", prompt.as_bytes(), 8, 0, |_| {});
+        let _ = c.generate(
+            "other",
+            &libkv::model::tokenize(prompt.as_bytes()),
+            8,
+            0,
+            |_| {},
+        );
     }
     let (code, text) = kvctl_probe(&faulty, &stack);
     eprintln!("{text}");

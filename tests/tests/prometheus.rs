@@ -152,7 +152,9 @@ fn prometheus_scraping_a_stack_sees_the_load_it_served() {
                     let p = prompt(tenant, t * 100 + n, 20 + n * 113);
                     let out = stack
                         .client()
-                        .and_then(|mut c| c.generate(tenant, &p, 6, 10_000, |_| {}))
+                        .and_then(|mut c| {
+                            c.generate(tenant, &libkv::model::tokenize(&p), 6, 10_000, |_| {})
+                        })
                         .unwrap_or_else(|e| panic!("{tenant} {n}: {}", error_chain(&e)));
                     assert_matches(&out, &expected(model, &p, 6), tenant);
                 }
@@ -165,7 +167,13 @@ fn prometheus_scraping_a_stack_sees_the_load_it_served() {
         assert!(
             stack
                 .client()
-                .and_then(|mut c| c.generate("acme", &too_long, 1, 10_000, |_| {}))
+                .and_then(|mut c| c.generate(
+                    "acme",
+                    &libkv::model::tokenize(&too_long),
+                    1,
+                    10_000,
+                    |_| {}
+                ))
                 .is_err()
         );
     }

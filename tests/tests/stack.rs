@@ -194,7 +194,13 @@ fn concurrent_requests_match_the_monolithic_path(tweak: fn(&mut Config), moved: 
                 let stack = &stack;
                 s.spawn(move || {
                     let mut client = stack.client()?;
-                    client.generate(tenant, prompt, *max_new, 10_000, |_| {})
+                    client.generate(
+                        tenant,
+                        &libkv::model::tokenize(prompt),
+                        *max_new,
+                        10_000,
+                        |_| {},
+                    )
                 })
             })
             .collect();
@@ -269,9 +275,13 @@ fn oversize_request_is_rejected_before_any_worker_sees_it() {
     for (what, prompt, max_new) in &cases {
         let mut client = stack.client().expect("client");
         let start = Instant::now();
-        match client.generate("acme", prompt, *max_new, 5000, |_| {
-            panic!("{what}: tokens arrived for a rejected request")
-        }) {
+        match client.generate(
+            "acme",
+            &libkv::model::tokenize(prompt),
+            *max_new,
+            5000,
+            |_| panic!("{what}: tokens arrived for a rejected request"),
+        ) {
             Err(ClientError::Server {
                 code: ErrorCode::Rejected,
                 message,
@@ -306,7 +316,13 @@ fn oversize_request_is_rejected_before_any_worker_sees_it() {
     let out = stack
         .client()
         .expect("client")
-        .generate("globex", &edge, limits.max_new_tokens, 20_000, |_| {})
+        .generate(
+            "globex",
+            &libkv::model::tokenize(&edge),
+            limits.max_new_tokens,
+            20_000,
+            |_| {},
+        )
         .unwrap_or_else(|e| panic!("request of exactly max_context failed: {}", error_chain(&e)));
     assert_matches(
         &out,
@@ -376,7 +392,7 @@ fn rdma_configured_on_a_host_without_it_serves_over_tcp_and_says_why_once() {
     let out = stack
         .client()
         .expect("client")
-        .generate("acme", &p, 16, 10_000, |_| {})
+        .generate("acme", &libkv::model::tokenize(&p), 16, 10_000, |_| {})
         .unwrap_or_else(|e| panic!("request over the TCP fallback: {}", error_chain(&e)));
     assert_matches(
         &out,
@@ -420,7 +436,13 @@ fn kill_prefilld_mid_flight(tweak: fn(&mut Config), moved: Moved) {
                     let result =
                         Client::connect(socket, Duration::from_secs(5)).and_then(|mut c| {
                             c.set_default_deadline(request_deadline);
-                            c.generate(tenant, &prompt, max_new, deadline_ms, |_| {})
+                            c.generate(
+                                tenant,
+                                &libkv::model::tokenize(&prompt),
+                                max_new,
+                                deadline_ms,
+                                |_| {},
+                            )
                         });
                     let attempt = Attempt {
                         tenant,
@@ -521,7 +543,7 @@ fn kill_prefilld_mid_flight(tweak: fn(&mut Config), moved: Moved) {
         let out = stack
             .client()
             .expect("client")
-            .generate(tenant, &p, 40, 10_000, |_| {})
+            .generate(tenant, &libkv::model::tokenize(&p), 40, 10_000, |_| {})
             .unwrap_or_else(|e| {
                 panic!(
                     "request after prefilld restarted failed: {}",
@@ -629,7 +651,7 @@ fn workers_register_again_after_kvctld_restarts() {
     let out = stack
         .client()
         .expect("client")
-        .generate("acme", &p, 16, 10_000, |_| {})
+        .generate("acme", &libkv::model::tokenize(&p), 16, 10_000, |_| {})
         .unwrap_or_else(|e| panic!("request after kvctld restarted: {}", error_chain(&e)));
     assert_matches(
         &out,

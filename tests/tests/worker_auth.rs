@@ -114,7 +114,15 @@ fn an_allowed_client_cannot_become_a_worker() {
     // The real worker takes its slot back and requests are served again.
     stack.restart(Daemon::Prefilld).unwrap();
     let mut c = stack.client().unwrap();
-    let ok = c.generate("after", b"back again", 4, 0, |_| {}).unwrap();
+    let ok = c
+        .generate(
+            "after",
+            &libkv::model::tokenize(b"back again"),
+            4,
+            0,
+            |_| {},
+        )
+        .unwrap();
     assert_eq!(libkv::model::detokenize(&ok.tokens), "back");
     let _ = stack.stop();
 }

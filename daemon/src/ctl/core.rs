@@ -28,11 +28,13 @@
 use super::latency::Latencies;
 use super::workers::{ConnId, Worker, WorkerKey, Workers};
 use libkv::admission::{self, Limits, Need, RequestSpec, Side};
+use libkv::config::ModelKind;
 use libkv::config::{Config, DeadlineDurations, Pairing};
+use libkv::model::REFERENCE_MODEL;
 use libkv::proto::{
     self, Abort, DecodeReserve, Done, Drain, DrainReply, ErrorCode, Freed, Message, PoolReport,
     PrefillDone, PrefillEndpoint, PrefillGone, PrefillPool, PrefillRun, PullKv, RegisterAck,
-    RegisterWorker, Release, Role, StatusReply, Submit, Tokens, Transport, WorkerStatus,
+    RegisterWorker, Release, Role, Sampling, StatusReply, Submit, Tokens, Transport, WorkerStatus,
 };
 use libkv::{Generation, Owner, PageGeometry, RequestId};
 use log::{debug, info, warn};
@@ -96,6 +98,9 @@ pub struct CoreConfig {
     /// Fault-injection builds only: replace an over-long prompt by a one-token placeholder
     /// (the incident), to prove the test suite catches it.
     pub placeholder_fault: bool,
+    /// `[model] kind`: workers must run the reference model, or a GGUF model (all the
+    /// same one, whichever registers first).
+    pub model_kind: ModelKind,
 }
 
 impl CoreConfig {
@@ -110,6 +115,7 @@ impl CoreConfig {
                 decode_pages: cfg.decode.pool_pages,
             },
             deadlines: cfg.deadlines.as_durations(),
+            model_kind: cfg.model.kind,
             admission_queue: cfg.control.admission_queue as usize,
             pairing: cfg.control.pairing,
             seed,
@@ -286,7 +292,9 @@ impl Stage {
 struct Request {
     client: ConnId,
     spec: RequestSpec,
-    prompt: Vec<u8>,
+    prompt: Vec<u32>,
+    /// How decode picks tokens, passed on in `PullKv`.
+    sampling: Sampling,
     need: Need,
     stage: Stage,
     /// The (prefill, decode) pair, once admitted.
@@ -522,6 +530,7 @@ impl Core {
             last_pick: 0,
             pulls_shm: false,
             pulls_tcp: false,
+            model: r.model,
         };
         let key = self.workers.insert(worker);
         self.counters.workers_registered += 1;
@@ -589,6 +598,9 @@ impl Core {
                 describe(&self.cfg.geometry)
             )));
         }
+        if let Some(refusal) = self.check_model(side, r) {
+            return Some(refusal);
+        }
         let need = self.cfg.min_pool_pages(side);
         if u64::from(r.pool_pages) < need {
             let tokens = need * u64::from(self.cfg.geometry.tokens_per_page);
@@ -623,6 +635,29 @@ impl Core {
             )));
         }
         None
+    }
+
+    /// KV of one model is meaningless to another, even of the same geometry: every worker
+    /// runs the kind of model `[model]` names, and the same one as those registered.
+    fn check_model(&self, side: Side, r: &RegisterWorker) -> Option<Refusal> {
+        let reference = r.model == REFERENCE_MODEL;
+        let wanted = match self.cfg.model_kind {
+            ModelKind::Reference if !reference => "the reference model",
+            ModelKind::Gguf if reference => "a GGUF model",
+            _ => "",
+        };
+        if !wanted.is_empty() {
+            return Some(Refusal::Misconfigured(format!(
+                "{side} worker {} runs model {}, kvctld's [model] asks for {wanted}",
+                r.id, r.model
+            )));
+        }
+        let (_, other) = self.workers.iter_all().find(|(_, w)| w.model != r.model)?;
+        Some(Refusal::Misconfigured(format!(
+            "{side} worker {} runs model {}, worker {} runs {}: every worker of a kvctld runs \
+             the same model",
+            r.id, r.model, other.id, other.model
+        )))
     }
 
     /// Tells decode worker `d` how to pull from prefill worker `p`.
@@ -884,6 +919,9 @@ impl Core {
         }
         let Some((p, d)) = r.pair else { return };
         let max_new_tokens = r.spec.max_new_tokens;
+        // Admission refuses an empty prompt, so there is always a last token.
+        let last_token = r.prompt.last().copied().unwrap_or_default();
+        let sampling = r.sampling;
         let (Some(prefill), Some(decode)) = (self.workers.get(p), self.workers.get(d)) else {
             return;
         };
@@ -909,6 +947,8 @@ impl Core {
             source,
             manifest: m,
             max_new_tokens,
+            last_token,
+            sampling,
         };
         self.send(dconn, id, pull);
     }
@@ -1111,6 +1151,7 @@ impl Core {
             prompt_tokens,
             max_new_tokens: s.max_new_tokens,
         };
+        let sampling = s.sampling;
         let mut prompt = s.prompt;
         let need = match admission::need(&spec, &self.cfg.limits) {
             Ok(n) => n,
@@ -1157,6 +1198,7 @@ impl Core {
                 client: conn,
                 spec,
                 prompt,
+                sampling,
                 need,
                 stage: Stage::Queued,
                 pair: None,
@@ -1488,6 +1530,7 @@ impl Core {
             workers,
             counters,
             transport: self.transport(),
+            model: self.workers.iter_all().next().map(|(_, w)| w.model.clone()),
         }
     }
 
@@ -1676,6 +1719,7 @@ mod tests {
             pairing: Pairing::MostFree,
             seed: 1,
             placeholder_fault: false,
+            model_kind: libkv::config::ModelKind::Reference,
         }
     }
 
@@ -1695,6 +1739,7 @@ mod tests {
             pool_pages: pages,
             transports: vec![Transport::Shm, Transport::Tcp],
             endpoint: None,
+            model: "reference".into(),
         };
         core.register(conn, r, true, Instant::now())
     }
@@ -1702,9 +1747,10 @@ mod tests {
     fn submit(core: &mut Core, prompt: usize, max_new: u32) {
         let s = Submit {
             tenant: "t".into(),
-            prompt: vec![b'a'; prompt],
+            prompt: vec![u32::from(b'a'); prompt],
             max_new_tokens: max_new,
             deadline_ms: 0,
+            sampling: libkv::proto::Sampling::GREEDY,
         };
         core.submit(CLIENT, s, Instant::now());
     }
@@ -1775,6 +1821,63 @@ mod tests {
         assert!(register(&mut core, 13, "p0", Role::Prefill, 4).is_ok());
     }
 
+    fn register_model(
+        core: &mut Core,
+        conn: ConnId,
+        id: &str,
+        role: Role,
+        model: &str,
+    ) -> Result<WorkerKey, Refusal> {
+        let r = RegisterWorker {
+            id: id.into(),
+            role,
+            geometry: geometry(),
+            pool_pages: 100,
+            transports: vec![Transport::Shm, Transport::Tcp],
+            endpoint: None,
+            model: model.into(),
+        };
+        core.register(conn, r, true, Instant::now())
+    }
+
+    #[test]
+    fn workers_of_different_models_are_never_paired() {
+        let mut cfg = config(8);
+        cfg.model_kind = ModelKind::Gguf;
+        let mut core = Core::new(cfg, Generation(1));
+        // kvctld's [model] asks for a GGUF model: a reference-model worker is refused.
+        let Err(Refusal::Misconfigured(msg)) =
+            register_model(&mut core, 10, "p0", Role::Prefill, REFERENCE_MODEL)
+        else {
+            panic!("a reference worker registered with a GGUF control plane");
+        };
+        assert!(msg.contains("a GGUF model") && msg.contains("p0"), "{msg}");
+        // The first GGUF worker sets the model; another file is refused, naming both.
+        assert!(
+            register_model(&mut core, 11, "p0", Role::Prefill, "smol:98362432:0a0b0c0d").is_ok()
+        );
+        let Err(Refusal::Misconfigured(msg)) =
+            register_model(&mut core, 12, "d0", Role::Decode, "smol:98362432:ffffffff")
+        else {
+            panic!("a decode worker of another model registered");
+        };
+        assert!(
+            msg.contains("smol:98362432:ffffffff") && msg.contains("smol:98362432:0a0b0c0d"),
+            "{msg}"
+        );
+        assert!(
+            register_model(&mut core, 13, "d0", Role::Decode, "smol:98362432:0a0b0c0d").is_ok()
+        );
+        assert_eq!(
+            core.status(&[]).model.as_deref(),
+            Some("smol:98362432:0a0b0c0d")
+        );
+        // And a reference control plane refuses a GGUF worker.
+        let mut core = Core::new(config(8), Generation(1));
+        assert!(register_model(&mut core, 10, "p0", Role::Prefill, "smol:1:2").is_err());
+        assert!(register_model(&mut core, 11, "p0", Role::Prefill, REFERENCE_MODEL).is_ok());
+    }
+
     #[test]
     fn another_geometry_is_refused_naming_both() {
         let mut core = Core::new(config(8), Generation(1));
@@ -1788,6 +1891,7 @@ mod tests {
             pool_pages: 100,
             transports: vec![Transport::Shm],
             endpoint: None,
+            model: "reference".into(),
         };
         let Err(Refusal::Misconfigured(msg)) = core.register(10, r, true, Instant::now()) else {
             panic!("a different geometry was accepted");

@@ -171,19 +171,29 @@ fn placeholder_fault() -> bool {
 }
 
 /// Runs the coherence probe every `every` on a thread of its own, as a client of this
-/// kvctld. A mismatch is logged at error level and counted (`probe_mismatches`).
+/// kvctld, on the model of `[model]` (loaded on that thread, so a large model does not hold up
+/// kvctld's start). A mismatch is logged at error level and counted (`probe_mismatches`).
 fn start_probe(cfg: &Config, every: Duration, counters: Arc<ProbeCounters>) {
     let socket = cfg.control.socket.clone();
     let geometry = cfg.geometry;
+    let model_cfg = cfg.model.clone();
     let timeout = cfg.deadlines.request() + cfg.deadlines.admission_wait();
     info!("coherence probe every {} s", every.as_secs());
     let spawned = std::thread::Builder::new()
         .name("probe".into())
         .spawn(move || {
+            let model = match llama::load(&model_cfg, geometry, 1) {
+                Ok(m) => m,
+                Err(e) => {
+                    counters.errors.fetch_add(1, Ordering::Relaxed);
+                    log::error!("coherence probe disabled: {}", libkv::error_chain(&e));
+                    return;
+                }
+            };
             loop {
                 std::thread::sleep(every);
                 counters.runs.fetch_add(1, Ordering::Relaxed);
-                match crate::probe::run_probe(&socket, geometry, 16, timeout) {
+                match crate::probe::run_probe(&socket, &model, 16, timeout) {
                     Ok(r) if !r.mismatches.is_empty() => {
                         counters
                             .mismatches

@@ -58,6 +58,8 @@ pub struct Worker {
     /// kept apart from `transports` so the pairing scan reads no heap.
     pub(super) pulls_shm: bool,
     pub(super) pulls_tcp: bool,
+    /// The model it runs, as registered.
+    pub model: String,
 }
 
 impl Worker {
@@ -231,6 +233,11 @@ impl Workers {
         })
     }
 
+    /// Every live worker, prefill first.
+    pub fn iter_all(&self) -> impl Iterator<Item = (WorkerKey, &Worker)> {
+        self.iter(Side::Prefill).chain(self.iter(Side::Decode))
+    }
+
     /// Live workers of `side`.
     pub fn count(&self, side: Side) -> usize {
         self.slab(side).len()
@@ -365,6 +372,7 @@ mod tests {
             last_pick: 0,
             pulls_shm: false,
             pulls_tcp: false,
+            model: "reference".into(),
         }
     }
 

@@ -95,6 +95,7 @@ fn main() -> ExitCode {
         pairing,
         seed: 1,
         placeholder_fault: false,
+        model_kind: libkv::config::ModelKind::Reference,
     };
     let generation = Generation(1);
     let mut core = Core::new(cfg, generation);
@@ -116,6 +117,7 @@ fn main() -> ExitCode {
             pool_pages,
             transports: vec![Transport::Shm, Transport::Tcp],
             endpoint: None,
+            model: "reference".into(),
         };
         if core.register(conn, r, true, now).is_err() {
             eprintln!("kvcorebench: registration refused");
@@ -134,9 +136,10 @@ fn main() -> ExitCode {
         let submits: Vec<Submit> = (0..args.batch)
             .map(|_| Submit {
                 tenant: "bench".into(),
-                prompt: prompt.clone(),
+                prompt: libkv::model::tokenize(&prompt),
                 max_new_tokens: 8,
                 deadline_ms: 0,
+                sampling: libkv::proto::Sampling::GREEDY,
             })
             .collect();
         let t = Instant::now();

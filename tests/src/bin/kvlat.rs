@@ -65,7 +65,13 @@ fn main() -> ExitCode {
         let mut lat = Vec::with_capacity(args.requests as usize);
         for _ in 0..args.requests {
             let t = Instant::now();
-            if let Err(e) = client.generate("bench", &prompt, args.max_new, 0, |_| {}) {
+            if let Err(e) = client.generate(
+                "bench",
+                &libkv::model::tokenize(&prompt),
+                args.max_new,
+                0,
+                |_| {},
+            ) {
                 eprintln!("kvlat: request failed: {e}");
                 return ExitCode::from(1);
             }

@@ -84,7 +84,13 @@ fn round(stack: &Stack, args: &Args) -> Result<f64, String> {
                     let mut client = stack.client().map_err(|e| e.to_string())?;
                     for _ in 0..args.per_client {
                         client
-                            .generate(&format!("t{c}"), prompt, args.max_new, 0, |_| {})
+                            .generate(
+                                &format!("t{c}"),
+                                &libkv::model::tokenize(prompt),
+                                args.max_new,
+                                0,
+                                |_| {},
+                            )
                             .map_err(|e| e.to_string())?;
                     }
                     Ok(())

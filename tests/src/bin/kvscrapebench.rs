@@ -98,6 +98,7 @@ fn status(workers: usize) -> StatusReply {
         .map(|c| ((*c).to_owned(), 42))
         .collect(),
         transport: Some(Transport::Tcp),
+        model: None,
     }
 }
 

@@ -138,9 +138,10 @@ fn submit_and_vanish(socket: &Path, tenant: &str, prompt: &[u8], max_new: u32, w
     let _ = uds::read_frame_timeout(&s, Duration::from_secs(5));
     let sub = Submit {
         tenant: tenant.into(),
-        prompt: prompt.to_vec(),
+        prompt: libkv::model::tokenize(prompt),
         max_new_tokens: max_new,
         deadline_ms: 0,
+        sampling: libkv::proto::Sampling::GREEDY,
     };
     let _ = send(sub.into());
     if wait_one {
@@ -208,7 +209,13 @@ impl Load<'_> {
                 log_problem(problems, "cannot connect".into());
                 continue;
             };
-            match c.generate(&name, &prompt, max_new, deadline_ms, |_| {}) {
+            match c.generate(
+                &name,
+                &libkv::model::tokenize(&prompt),
+                max_new,
+                deadline_ms,
+                |_| {},
+            ) {
                 Ok(out) => {
                     if oversize {
                         add(&tally.exposures);

@@ -1,14 +1,17 @@
 //! kvctl: the command-line client of kvctld, and the local demo.
 //!
 //! ```text
-//! kvctl [--socket PATH | --config PATH] [--json] [-v] generate --tenant T [--max-new N] [--deadline-ms MS] (PROMPT | --prompt-file PATH | -)
+//! kvctl [--socket PATH | --config PATH] [--json] [-v] generate --tenant T [--max-new N] [--deadline-ms MS] [--chat] [--temperature X [--top-p P] [--seed S]] (PROMPT | --prompt-file PATH | -)
 //! kvctl [--socket PATH | --config PATH] [--json] [-v] status
 //! kvctl [--socket PATH | --config PATH] top [--interval-ms MS] [--iterations N]
 //! kvctl [--socket PATH | --config PATH] [--json] drain ID [--wait [--timeout-ms MS]]
 //! kvctl [--socket PATH | --config PATH] [--json] undrain ID
 //! kvctl --config PATH [--json] probe [--max-new N]
-//! kvctl [--json] demo [--requests N] [--prefill N] [--decode N] [--keep-dir]
+//! kvctl [--json] demo [--requests N] [--prefill N] [--decode N] [--keep-dir] [--reference]
 //! ```
+//!
+//! Prompts and outputs are text in the model of `--config`'s `[model]`: the GGUF model's
+//! tokenizer, or bytes for the reference model (also without `--config`).
 //!
 //! `status` lists every worker kvctld knows (id, role, pool, requests in flight, drain
 //! state, whether it is idle: a drained worker that is idle is safe to stop). `drain` keeps
@@ -29,8 +32,10 @@ use clap::{Parser, Subcommand};
 use kvctld::client::{Client, ClientError, GenerateOutcome, ServingPair, exit};
 use kvctld::stack::{Daemon, Stack, StackError, StackOptions, error_chain};
 use libkv::config::{Config, DEFAULT_SOCKET, Deadlines};
-use libkv::model::{Output, ReferenceModel, detokenize, monolithic, tokenize};
-use libkv::proto::{ErrorCode, Role, StatusReply, Transport, WorkerStatus};
+use libkv::model::{Output, monolithic_paged};
+use libkv::proto::{ErrorCode, Role, Sampling, StatusReply, Submit, Transport, WorkerStatus};
+use llama::LoadedModel;
+use model::Codec;
 use serde_json::json;
 use std::cmp::Ordering as CmpOrdering;
 use std::collections::BTreeMap;
@@ -43,12 +48,17 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
+/// Longest prompt text read: far more than any tokenizer packs into the most tokens one
+/// request carries (the token count is checked after encoding).
+const MAX_PROMPT_TEXT: usize = 16 * libkv::proto::MAX_PROMPT_TOKENS;
 /// Timeout of the handshake and of status and drain queries.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often `drain --wait` asks kvctld whether the worker is idle.
 const DRAIN_POLL: Duration = Duration::from_millis(100);
 /// Most client threads the demo runs at once.
 const DEMO_MAX_THREADS: usize = 32;
+/// New tokens per request of the demo on a real model.
+const DEMO_MAX_NEW: u32 = 24;
 /// Longest the demo waits for the pools to be all free once the requests are done.
 const DEMO_DRAIN_WAIT: Duration = Duration::from_secs(3);
 /// Widest line of the demo's table of which pair served each request.
@@ -121,7 +131,20 @@ enum Command {
         /// an argument.
         #[arg(long = "prompt-file", value_name = "PATH", conflicts_with = "prompt")]
         prompt_file: Option<PathBuf>,
-        /// The prompt (bytes are tokens); `-` reads it from standard input.
+        /// Send the prompt as one user message in the model's chat template (ChatML).
+        #[arg(long)]
+        chat: bool,
+        /// Sample at this temperature (0 to 2) instead of decoding greedily.
+        #[arg(long)]
+        temperature: Option<f32>,
+        /// With --temperature: keep the smallest set of tokens whose probability reaches
+        /// this (0 to 1).
+        #[arg(long = "top-p", requires = "temperature")]
+        top_p: Option<f32>,
+        /// With --temperature: the seed of the draws (one seed, one output).
+        #[arg(long, requires = "temperature", default_value_t = 0)]
+        seed: u64,
+        /// The prompt, as text of the model of --config; `-` reads it from standard input.
         #[arg(required_unless_present = "prompt_file")]
         prompt: Option<String>,
     },
@@ -182,6 +205,9 @@ enum Command {
         /// Keep the stack's directory (config and daemon logs).
         #[arg(long = "keep-dir")]
         keep_dir: bool,
+        /// Run the reference model even when the real one is there or can be fetched.
+        #[arg(long)]
+        reference: bool,
     },
 }
 
@@ -220,6 +246,7 @@ macro_rules! outln {
     ($($arg:tt)*) => { out(format_args!($($arg)*)) };
 }
 
+mod model;
 mod top;
 
 /// `eprintln!` that never panics: a closed stderr loses the message.
@@ -322,10 +349,22 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             max_new,
             deadline_ms,
             prompt_file,
+            chat,
+            temperature,
+            top_p,
+            seed,
             prompt,
         } => {
-            let prompt = read_prompt(prompt.as_deref(), prompt_file.as_deref())?;
-            generate(cli, tenant, *max_new, deadline_ms.unwrap_or(0), &prompt)
+            let text = read_prompt(prompt.as_deref(), prompt_file.as_deref())?;
+            let sampling = sampling(*temperature, *top_p, *seed)?;
+            let request = Submit {
+                tenant: tenant.clone(),
+                prompt: Vec::new(),
+                max_new_tokens: *max_new,
+                deadline_ms: deadline_ms.unwrap_or(0),
+                sampling,
+            };
+            generate(cli, request, &text, *chat)
         }
         Command::Status => status(cli),
         Command::Top {
@@ -344,11 +383,13 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             prefill,
             decode,
             keep_dir,
+            reference,
         } => demo(
             cli.json,
             *requests,
             (usize::from(*prefill), usize::from(*decode)),
             *keep_dir,
+            *reference,
         ),
     }
 }
@@ -357,12 +398,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
 /// the config's default request deadline when there is one. Returns the deadlines in
 /// force: the config's, else the defaults.
 fn connect(cli: &Cli) -> Result<(Client, Deadlines), Failure> {
-    let config = match &cli.config {
-        Some(path) => {
-            Some(Config::load(path).map_err(|e| Failure::new(exit::USAGE, error_chain(&e)))?)
-        }
-        None => None,
-    };
+    let config = load_config(cli)?;
     let socket = cli
         .socket
         .clone()
@@ -375,11 +411,48 @@ fn connect(cli: &Cli) -> Result<(Client, Deadlines), Failure> {
     Ok((client, config.map(|c| c.deadlines).unwrap_or_default()))
 }
 
+/// The config of `--config`, if given.
+fn load_config(cli: &Cli) -> Result<Option<Config>, Failure> {
+    match &cli.config {
+        Some(path) => Ok(Some(
+            Config::load(path).map_err(|e| Failure::new(exit::USAGE, error_chain(&e)))?,
+        )),
+        None => Ok(None),
+    }
+}
+
+/// Greedy without `--temperature`; otherwise the draw it asks for, checked as kvctld will.
+fn sampling(temperature: Option<f32>, top_p: Option<f32>, seed: u64) -> Result<Sampling, Failure> {
+    let Some(t) = temperature else {
+        return Ok(Sampling::GREEDY);
+    };
+    let milli = |what: &str, v: f32, max: f32| {
+        if v.is_finite() && (0.0..=max).contains(&v) {
+            // Checked above: 0 to 2000, which a u32 holds exactly.
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            Ok((v * 1000.0).round() as u32)
+        } else {
+            Err(Failure::new(
+                exit::USAGE,
+                format!("{what} {v} is not within 0 to {max}"),
+            ))
+        }
+    };
+    Ok(Sampling {
+        temperature_milli: milli("--temperature", t, 2.0)?,
+        top_p_milli: match top_p {
+            None => 0,
+            Some(p) => milli("--top-p", p, 1.0)?.max(1),
+        },
+        seed,
+    })
+}
+
 /// The prompt of `generate`: the argument, or the file (`--prompt-file -` and an argument
 /// of `-`: standard input). Refused before connecting when it is empty or longer than one
 /// Submit frame carries.
 fn read_prompt(arg: Option<&str>, file: Option<&Path>) -> Result<Vec<u8>, Failure> {
-    let max = libkv::proto::MAX_PROMPT_BYTES;
+    let max = MAX_PROMPT_TEXT;
     // One byte past the limit is enough to know a prompt is too long.
     let cap = u64::try_from(max).unwrap_or(u64::MAX).saturating_add(1);
     let read = |what: &str, r: &mut dyn io::Read| -> Result<Vec<u8>, Failure> {
@@ -411,8 +484,9 @@ fn read_prompt(arg: Option<&str>, file: Option<&Path>) -> Result<Vec<u8>, Failur
         return Err(Failure::new(
             exit::USAGE,
             format!(
-                "the prompt from {what} is longer than {max} bytes, the most one request \
-                 carries (one token per byte; kvctld's limits.max_context may be lower)"
+                "the prompt from {what} is longer than {max} bytes: no request carries more \
+                 than {} tokens",
+                libkv::proto::MAX_PROMPT_TOKENS
             ),
         ));
     }
@@ -425,32 +499,38 @@ fn read_prompt(arg: Option<&str>, file: Option<&Path>) -> Result<Vec<u8>, Failur
     Ok(bytes)
 }
 
-fn generate(
-    cli: &Cli,
-    tenant: &str,
-    max_new: u32,
-    deadline_ms: u32,
-    prompt: &[u8],
-) -> Result<(), Failure> {
+fn generate(cli: &Cli, mut request: Submit, text: &[u8], chat: bool) -> Result<(), Failure> {
+    let codec = Codec::from_config(load_config(cli)?.as_ref())?;
+    request.prompt = codec.encode(text, chat)?;
+    let max = libkv::proto::MAX_PROMPT_TOKENS;
+    if request.prompt.len() > max {
+        return Err(Failure::new(
+            exit::USAGE,
+            format!(
+                "the prompt is {} tokens, longer than {max} tokens, the most one request \
+                 carries (kvctld's limits.max_context may be lower)",
+                request.prompt.len()
+            ),
+        ));
+    }
+    let tenant = request.tenant.clone();
+    let tenant = tenant.as_str();
     let (mut client, _) = connect(cli)?;
     let stream = !cli.json;
     let start = Instant::now();
     let mut streamed = false;
-    let result = client.generate(tenant, prompt, max_new, deadline_ms, |tokens| {
+    let result = client.submit(request, |tokens| {
         if stream && !STDOUT_GONE.load(Ordering::Relaxed) {
             streamed = true;
-            // Tokens are bytes; write them raw so multi-byte characters split across
-            // frames come out whole. Output is best effort: a closed stdout must not stop
-            // the request.
-            let bytes: Vec<u8> = tokens
-                .iter()
-                .map(|&t| u8::try_from(t).unwrap_or(b'?'))
-                .collect();
+            // Written raw, so a character split across frames comes out whole. Output is
+            // best effort: a closed stdout must not stop the request.
+            let bytes = codec.decode(tokens);
             let mut stdout = io::stdout().lock();
             if let Err(e) = stdout.write_all(&bytes).and_then(|()| stdout.flush()) {
                 stdout_failed(e);
             }
         }
+        true
     });
     let elapsed = start.elapsed();
     let out = match result {
@@ -476,7 +556,7 @@ fn generate(
         let value = json!({
             "request": out.request.0,
             "tenant": tenant,
-            "output": detokenize(&out.tokens),
+            "output": String::from_utf8_lossy(&codec.decode(&out.tokens)),
             "tokens": out.tokens,
             "signature": format!("{:016x}", d.signature),
             "pages_transferred": d.pages_transferred,
@@ -868,12 +948,38 @@ struct DemoRun {
     latency: Duration,
 }
 
-fn demo_prompt(index: usize) -> (&'static str, String) {
+/// Questions the demo asks a real model (one user message each, in its chat template).
+const DEMO_QUESTIONS: [&str; 4] = [
+    "What is the capital of France?",
+    "Name the three primary colors.",
+    "What is 12 times 12?",
+    "Write one sentence about the sea.",
+];
+
+/// Request `index` of the demo: its tenant, its text and its prompt tokens. The reference
+/// model echoes a prompt that carries the tenant's secret; a real model answers a question.
+fn demo_prompt(
+    index: usize,
+    model: &LoadedModel,
+) -> Result<(&'static str, String, Vec<u32>), Failure> {
     let (tenant, secret) = DEMO_TENANTS[index % DEMO_TENANTS.len()];
-    (
-        tenant,
-        format!("[{tenant} secret {secret}] request {index}: summarize our quarterly figures"),
-    )
+    if model.tokenizer.is_none() {
+        let text =
+            format!("[{tenant} secret {secret}] request {index}: summarize our quarterly figures");
+        let tokens = model.encode(&text);
+        return Ok((tenant, text, tokens));
+    }
+    let text = DEMO_QUESTIONS[index % DEMO_QUESTIONS.len()].to_owned();
+    let tokens = model
+        .encode_chat(&[llama::chat::Message::user(text.as_str())])
+        .map_err(|e| Failure::new(exit::STACK, e))?;
+    Ok((tenant, text, tokens))
+}
+
+/// Where `scripts/fetch-model` is under `cargo run` from a checkout.
+fn fetch_script() -> Option<PathBuf> {
+    let dir = std::env::var_os("CARGO_MANIFEST_DIR")?;
+    Some(Path::new(&dir).join("../scripts/fetch-model"))
 }
 
 fn demo(
@@ -881,19 +987,33 @@ fn demo(
     requests: usize,
     (prefill, decode): (usize, usize),
     keep_dir: bool,
+    reference: bool,
 ) -> Result<(), Failure> {
     let dir = tempfile::Builder::new()
         .prefix("kvfence-demo.")
         .tempdir_in("/tmp")
         .map_err(|e| Failure::new(exit::STACK, format!("creating a directory in /tmp: {e}")))?;
-    let config = Config::embedded_default(dir.path().join("kvctld.sock"));
-    let model = ReferenceModel::new(config.geometry)
-        .map_err(|e| Failure::new(exit::STACK, format!("reference model: {e}")))?;
     let say = |line: String| {
         if !json_out {
             outln!("{line}");
         }
     };
+    let mut config = Config::embedded_default(dir.path().join("kvctld.sock"));
+    if !reference {
+        match model::demo_model(fetch_script().as_deref()) {
+            Ok((path, geometry)) => {
+                say(format!("kvfence demo: model {}", path.display()));
+                config = model::demo_config(config, path, geometry);
+            }
+            Err(why) => say(format!("kvfence demo: the reference model ({why})")),
+        }
+    }
+    let model = llama::load(&config.model, config.geometry, 2).map_err(|e| {
+        Failure::new(
+            exit::STACK,
+            format!("loading the model: {}", error_chain(&e)),
+        )
+    })?;
     say(format!(
         "kvfence demo: starting kvctld, {prefill} prefill and {decode} decode workers in {}",
         dir.path().display()
@@ -1076,7 +1196,7 @@ fn pair_table(workers: &[String], runs: &[DemoRun]) -> Vec<String> {
 /// or the failure with its exit code.
 fn demo_run(
     stack: &mut Stack,
-    model: &ReferenceModel,
+    model: &LoadedModel,
     requests: usize,
     json_out: bool,
 ) -> Result<serde_json::Value, Failure> {
@@ -1084,13 +1204,17 @@ fn demo_run(
     let max_new_limit = config.limits.max_new_tokens;
     let mut plan = Vec::with_capacity(requests);
     for index in 0..requests {
-        let (tenant, prompt) = demo_prompt(index);
-        let max_new = u32::try_from(prompt.len())
-            .unwrap_or(u32::MAX)
-            .min(max_new_limit);
-        let expected = monolithic(model, &tokenize(prompt.as_bytes()), max_new)
+        let (tenant, prompt, tokens) = demo_prompt(index, model)?;
+        // The reference model echoes the whole prompt; a real one answers in a sentence.
+        let max_new = if model.tokenizer.is_none() {
+            u32::try_from(tokens.len()).unwrap_or(u32::MAX)
+        } else {
+            DEMO_MAX_NEW
+        }
+        .min(max_new_limit);
+        let expected = monolithic_paged(model.runner.as_ref(), &tokens, max_new, &Sampling::GREEDY)
             .map_err(|e| Failure::new(exit::STACK, format!("monolithic model: {e}")))?;
-        plan.push((index, tenant, prompt, max_new, expected));
+        plan.push((index, tenant, prompt, tokens, max_new, expected));
     }
     let mut workers = stack.worker_ids(Role::Prefill);
     workers.extend(stack.worker_ids(Role::Decode));
@@ -1105,7 +1229,8 @@ fn demo_run(
                 let mut client: Option<Client> = None;
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some((index, tenant, prompt, max_new, expected)) = plan.get(i) else {
+                    let Some((index, tenant, prompt, tokens, max_new, expected)) = plan.get(i)
+                    else {
                         break;
                     };
                     let t0 = Instant::now();
@@ -1114,7 +1239,7 @@ fn demo_run(
                         None => stack.client(),
                     }
                     .and_then(|mut c| {
-                        let r = c.generate(tenant, prompt.as_bytes(), *max_new, 0, |_| {});
+                        let r = c.generate(tenant, tokens, *max_new, 0, |_| {});
                         client = Some(c);
                         r
                     });
@@ -1148,7 +1273,7 @@ fn demo_run(
     let mut served_by: BTreeMap<String, u64> = workers.iter().map(|w| (w.clone(), 0)).collect();
     let mut pairs: BTreeMap<ServingPair, u64> = BTreeMap::new();
     for r in &runs {
-        let expected_text = detokenize(&r.expected.tokens);
+        let expected_text = model.decode(&r.expected.tokens);
         match &r.result {
             Ok(o) => {
                 let tokens_ok = o.tokens == r.expected.tokens;
@@ -1177,7 +1302,7 @@ fn demo_run(
                         if sig_ok { "matches" } else { "DIFFERS" },
                         ms(r.latency)
                     );
-                    outln!("    output   {:?}", detokenize(&o.tokens));
+                    outln!("    output   {:?}", model.decode(&o.tokens));
                     outln!("    expected {expected_text:?}");
                 }
                 json_runs.push(json!({
@@ -1187,7 +1312,7 @@ fn demo_run(
                     "prefill_worker": o.pair.prefill,
                     "decode_worker": o.pair.decode,
                     "prompt": r.prompt,
-                    "output": detokenize(&o.tokens),
+                    "output": model.decode(&o.tokens),
                     "expected": expected_text,
                     "tokens_match": tokens_ok,
                     "signature_match": sig_ok,
@@ -1232,7 +1357,7 @@ fn demo_run(
     let oversize_len = usize::try_from(config.limits.max_context)
         .unwrap_or(usize::MAX)
         .saturating_add(1);
-    let oversize_prompt = vec![b'x'; oversize_len];
+    let oversize_prompt = vec![u32::from(b'x'); oversize_len];
     let oversize = stack
         .client()
         .and_then(|mut c| c.generate("acme", &oversize_prompt, 8, 0, |_| {}));
@@ -1415,14 +1540,15 @@ fn probe(cli: &Cli, max_new: u32) -> Result<(), Failure> {
         .clone()
         .unwrap_or_else(|| config.control.socket.clone());
     let timeout = config.deadlines.request() + config.deadlines.admission_wait();
-    let report =
-        kvctld::probe::run_probe(&socket, config.geometry, max_new, timeout).map_err(|e| {
-            let code = match e {
-                kvctld::probe::ProbeError::Connect(ref c) => c.exit_code(),
-                kvctld::probe::ProbeError::Model(_) => exit::USAGE,
-            };
-            Failure::new(code, error_chain(&e))
-        })?;
+    let model = llama::load(&config.model, config.geometry, config.model.threads())
+        .map_err(|e| Failure::new(exit::USAGE, error_chain(&e)))?;
+    let report = kvctld::probe::run_probe(&socket, &model, max_new, timeout).map_err(|e| {
+        let code = match e {
+            kvctld::probe::ProbeError::Connect(ref c) => c.exit_code(),
+            kvctld::probe::ProbeError::Model(_) => exit::USAGE,
+        };
+        Failure::new(code, error_chain(&e))
+    })?;
     if cli.json {
         let v = serde_json::json!({
             "requests": report.requests,

@@ -237,6 +237,7 @@ mod tests {
                     ("latency_transfer_us".into(), transfer.1),
                 ],
                 transport: Some(Transport::Shm),
+                model: None,
             },
             at,
         }

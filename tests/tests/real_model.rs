@@ -1,0 +1,177 @@
+//! SmolLM2-135M-Instruct through the whole stack: prefilld prefills every prompt token's K
+//! and V into its pages, decoded pulls and verifies them and decodes from them, and every
+//! output equals the monolithic path of the same runner (prefill and decode over pages in
+//! plain memory, no pool, no transfer), token for token and signature for signature: chat
+//! and plain prompts, short and long, full and partial last pages, two page sizes, over
+//! shared memory and TCP.
+//!
+//! Needs the model file (`scripts/fetch-model`; `$KVFENCE_MODEL` names another). Without it
+//! the test says so and passes, except under CI (`CI` set), where a missing model fails.
+//! Build the binaries first (`cargo build --release --bins`). Bounded in time.
+
+use kvctld::stack::error_chain;
+use kvfence_tests::{all_worker_ids, assert_matches, start_stack, tcp, wait_all_free};
+use libkv::config::{Config, ModelConfig, ModelKind};
+use libkv::model::{Output, monolithic_paged};
+use libkv::proto::{Role, Sampling};
+use libkv::{Dtype, PageGeometry};
+use llama::LoadedModel;
+use llama::chat::Message;
+use std::path::PathBuf;
+use std::time::Duration;
+
+const MAX_NEW: u32 = 12;
+
+/// The model file, or `None` (with the reason printed) where this machine has none.
+fn model_path() -> Option<PathBuf> {
+    let path = llama::gguf::default_model_path();
+    if path.is_file() {
+        return Some(path);
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "{} is missing: CI fetches it with scripts/fetch-model",
+        path.display()
+    );
+    eprintln!(
+        "SKIPPED: {} is missing (scripts/fetch-model gets it)",
+        path.display()
+    );
+    None
+}
+
+/// The prompts: chat and plain, from a few tokens to several hundred.
+fn prompts(model: &LoadedModel) -> Vec<(String, Vec<u32>)> {
+    let chat = |q: &str| {
+        model
+            .encode_chat(&[Message::user(q)])
+            .expect("chat template")
+    };
+    let long_text = "The quick brown fox jumps over the lazy dog. ".repeat(40);
+    let long_chat = format!("Summarize this text in one sentence: {long_text}");
+    vec![
+        (
+            "chat: capital".into(),
+            chat("What is the capital of France?"),
+        ),
+        (
+            "chat: colors".into(),
+            chat("Name the three primary colors."),
+        ),
+        ("chat: long".into(), chat(&long_chat)),
+        (
+            "chat: system".into(),
+            model
+                .encode_chat(&[
+                    Message::system("You answer in French."),
+                    Message::user("What is two plus two?"),
+                ])
+                .expect("chat template"),
+        ),
+        ("plain: one token".into(), model.encode("Hello")),
+        (
+            "plain: sentence".into(),
+            model.encode("Once upon a time, in a small village,"),
+        ),
+        (
+            "plain: code".into(),
+            model.encode("def fibonacci(n):\n    "),
+        ),
+        ("plain: long".into(), model.encode(&long_text)),
+        (
+            "plain: unicode".into(),
+            model.encode("Paris est la capitale de la France. 東京は"),
+        ),
+    ]
+}
+
+fn real_model_config(c: &mut Config, path: PathBuf, geometry: PageGeometry) {
+    c.geometry = geometry;
+    c.limits.max_context = 1024;
+    c.limits.max_new_tokens = 32;
+    let pages = geometry.pages_for_tokens(1024 + 32);
+    let pool = u32::try_from(pages * 2).expect("small");
+    c.prefill.pool_pages = pool;
+    c.decode.pool_pages = pool;
+    c.model = ModelConfig {
+        kind: ModelKind::Gguf,
+        path: Some(path),
+        threads: 1,
+    };
+    c.deadlines.admission_wait = 60_000;
+    c.deadlines.prefill = 60_000;
+    c.deadlines.transfer = 30_000;
+    c.deadlines.decode = 60_000;
+    c.deadlines.request = 120_000;
+}
+
+fn disaggregated_equals_monolithic(tokens_per_page: u32) {
+    let Some(path) = model_path() else { return };
+    let geometry =
+        llama::load::model_geometry(&path, tokens_per_page, Dtype::Bf16).expect("model geometry");
+    let model = llama::load::load_gguf(&path, geometry, 2).expect("model");
+    let cases = prompts(&model);
+    let expected: Vec<Output> = cases
+        .iter()
+        .map(|(what, p)| {
+            monolithic_paged(model.runner.as_ref(), p, MAX_NEW, &Sampling::GREEDY)
+                .unwrap_or_else(|e| panic!("{what}: monolithic: {e}"))
+        })
+        .collect();
+    // The prompts cover full and partial last pages.
+    let tpp = tokens_per_page as usize;
+    assert!(
+        cases
+            .iter()
+            .any(|(_, p)| p.len() % tpp == 0 || p.len() < tpp)
+    );
+    assert!(
+        cases
+            .iter()
+            .any(|(_, p)| p.len() % tpp != 0 && p.len() > tpp)
+    );
+    // A real answer, not an echo: the capital question is answered with Paris.
+    let answer = model.decode(&expected[0].tokens);
+    assert!(answer.contains("Paris"), "monolithic answer: {answer:?}");
+
+    for transport in ["shm", "tcp"] {
+        let run = start_stack("kvllm.", 1, 1, |c| {
+            real_model_config(c, path.clone(), geometry);
+            if transport == "tcp" {
+                tcp(c);
+            }
+        });
+        let stack = &run.stack;
+        let status = stack.status().expect("status");
+        assert_eq!(
+            status.model.as_deref(),
+            Some(model.model_id().as_str()),
+            "kvctld reports the model the workers registered"
+        );
+        for ((what, prompt), want) in cases.iter().zip(&expected) {
+            let what = format!("{what} ({} tokens, {tpp}/page, {transport})", prompt.len());
+            let out = stack
+                .client()
+                .and_then(|mut c| c.generate("acme", prompt, MAX_NEW, 0, |_| {}))
+                .unwrap_or_else(|e| panic!("{what}: {}", error_chain(&e)));
+            assert_matches(&out, want, &what);
+            let pages = u32::try_from(geometry.pages_for_tokens(prompt.len() as u64)).unwrap();
+            assert_eq!(
+                out.done.pages_transferred, pages,
+                "{what}: pages transferred"
+            );
+        }
+        assert_eq!(stack.worker_ids(Role::Prefill).len(), 1);
+        wait_all_free(stack, &all_worker_ids(stack), Duration::from_secs(10));
+    }
+}
+
+#[test]
+fn smollm2_disaggregated_equals_monolithic_at_16_tokens_per_page() {
+    disaggregated_equals_monolithic(16);
+}
+
+#[test]
+fn smollm2_disaggregated_equals_monolithic_at_64_tokens_per_page() {
+    disaggregated_equals_monolithic(64);
+}
