@@ -8,7 +8,7 @@
 //! the test says so and passes, except under CI (`CI` set).
 
 use libkv::config::{PoisonMode, Scrub};
-use libkv::model::{KvRead, MemoryKv, ModelRunner, PageWrite, decode, monolithic_paged};
+use libkv::model::{KvRead, MemoryKv, PageWrite, decode, monolithic_paged};
 use libkv::pool::{PagePool, PoolOptions};
 use libkv::proto::Sampling;
 use libkv::verify::{Manifest, VerifyError, page_digest};
