@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Cross-checks kvfence's Llama runner against an independent implementation, llama.cpp
+# (its Python binding, llama-cpp-python, built from source into a virtual environment):
+# the prompts of llama/tests/fixtures/crosscheck_prompts.json, the same token ids fed to
+# both (so tokenization is not a variable; llama/tests/tokenizer.rs checks it separately),
+# greedy decoding of up to 32 tokens on the model of scripts/fetch-model. Prints, per
+# prompt, whether the outputs are identical and, at the first divergence, both tokens and
+# the top-two logit margin of each side there; then a summary line.
+#
+#   scripts/crosscheck-llamacpp.sh            # venv in target/llamacpp-venv ($LLAMACPP_VENV)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=${LLAMACPP_VENV:-target/llamacpp-venv}
+model=$(scripts/fetch-model)
+if ! "$venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
+  echo "building llama-cpp-python 0.3.36 into $venv (a C++ build: several minutes)" >&2
+  python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install --quiet llama-cpp-python==0.3.36 numpy
+fi
+
+ours=$(mktemp "${TMPDIR:-/tmp}/kvfence-crosscheck.XXXXXX")
+trap 'rm -f "$ours"' EXIT
+KVFENCE_MODEL=$model KVFENCE_CROSSCHECK_OUT=$ours \
+  cargo test --release --quiet -p llama --test crosscheck -- --ignored >/dev/null
+
+"$venv/bin/python" - "$model" "$ours" <<'PY'
+import json, sys
+import numpy as np
+from llama_cpp import Llama
+
+model, ours = sys.argv[1:]
+llm = Llama(model_path=model, n_ctx=2048, n_threads=2, n_batch=512, logits_all=True,
+            verbose=False)
+stops = {llm.token_eos()}
+im_end = llm.tokenize(b"<|im_end|>", add_bos=False, special=True)
+if len(im_end) == 1:
+    stops.add(im_end[0])
+same, total, notes = 0, 0, []
+for line in open(ours):
+    k = json.loads(line)
+    llm.reset()
+    llm.eval(k["prompt_tokens"])
+    theirs, margins = [], []
+    for _ in range(32):
+        logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float64)
+        top = np.argsort(-logits, kind="stable")[:2]
+        margins.append(float(logits[top[0]] - logits[top[1]]))
+        t = int(top[0])
+        if t in stops:
+            break
+        theirs.append(t)
+        llm.eval([t])
+    total += 1
+    ours_t = k["tokens"]
+    if ours_t == theirs:
+        same += 1
+        print(f"{k['name']:>10}: identical ({len(ours_t)} tokens): {k['text']!r}")
+        continue
+    i = next((i for i, (a, b) in enumerate(zip(ours_t, theirs)) if a != b),
+             min(len(ours_t), len(theirs)))
+    a = ours_t[i] if i < len(ours_t) else "stop"
+    b = theirs[i] if i < len(theirs) else "stop"
+    note = (f"{k['name']} at step {i}: kvfence {a} (margin {k['margins'][i]:.3f}), "
+            f"llama.cpp {b} (margin {margins[i]:.3f})")
+    notes.append(note)
+    print(f"{k['name']:>10}: DIVERGES {note}")
+    print(f"{'':>12}kvfence:   {k['text']!r}")
+    print(f"{'':>12}llama.cpp: {llm.detokenize(theirs).decode('utf-8', 'replace')!r}")
+print(f"crosscheck: {same}/{total} prompts identical"
+      + (f"; divergences: {'; '.join(notes)}" if notes else ""))
+PY
