@@ -5,10 +5,12 @@
 //! - [`weights`]: the model's hyper-parameters and its weights, dequantized to f32.
 //! - [`tokenizer`]: byte-level BPE from the GGUF vocabulary; [`chat`]: the ChatML template.
 //! - [`load`]: the runner and tokenizer a worker's `[model]` section names.
+//! - [`codec`]: text to tokens and back for clients of the served model (kvctl, openaid).
 //! - [`runner`]: the forward pass behind libkv's `ModelRunner`, prefilling into pages and
 //!   decoding from them; [`sample`]: greedy or seeded sampling of the next token.
 
 pub mod chat;
+pub mod codec;
 pub mod gguf;
 pub mod load;
 mod math;

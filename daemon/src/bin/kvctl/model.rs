@@ -7,64 +7,42 @@ use kvctld::stack::error_chain;
 use libkv::config::{Config, ModelConfig, ModelKind};
 use libkv::{Dtype, PageGeometry};
 use llama::chat::Message;
-use llama::tokenizer::Tokenizer;
 use std::path::{Path, PathBuf};
 
-/// Text to tokens and back: bytes for the reference model, the GGUF model's tokenizer
-/// otherwise (read from the file `[model] path` names; the weights are not loaded).
-pub enum Codec {
-    Bytes,
-    Gguf(Box<Tokenizer>),
-}
+/// Text to tokens and back ([`llama::codec::Codec`]), with kvctl's failures.
+pub struct Codec(llama::codec::Codec);
 
 impl Codec {
     /// The codec of the config's `[model]` (the reference model without a config).
     pub fn from_config(config: Option<&Config>) -> Result<Codec, Failure> {
         let Some(model) = config.map(|c| &c.model) else {
-            return Ok(Codec::Bytes);
+            return Ok(Codec(llama::codec::Codec::Bytes));
         };
-        match (model.kind, &model.path) {
-            (ModelKind::Reference, _) => Ok(Codec::Bytes),
-            (ModelKind::Gguf, None) => Err(Failure::new(
-                exit::USAGE,
-                "[model] kind is \"gguf\" but path is not set",
-            )),
-            (ModelKind::Gguf, Some(path)) => {
-                let (tokenizer, _) = llama::load::load_tokenizer(path)
-                    .map_err(|e| Failure::new(exit::USAGE, error_chain(&e)))?;
-                Ok(Codec::Gguf(Box::new(tokenizer)))
-            }
-        }
+        llama::codec::Codec::from_model(model)
+            .map(Codec)
+            .map_err(|e| Failure::new(exit::USAGE, error_chain(&e)))
     }
 
     /// `text` as tokens; `chat` wraps it as one user message in the model's chat template
     /// (the reference model has none and takes the text as it is).
     pub fn encode(&self, text: &[u8], chat: bool) -> Result<Vec<u32>, Failure> {
-        match self {
-            Codec::Bytes => Ok(libkv::model::tokenize(text)),
-            Codec::Gguf(t) => {
-                let text = std::str::from_utf8(text).map_err(|e| {
-                    Failure::new(exit::USAGE, format!("the prompt is not UTF-8: {e}"))
-                })?;
-                if chat {
-                    llama::chat::encode_chat(t, &[Message::user(text)], true)
-                        .map_err(|e| Failure::new(exit::USAGE, e.to_string()))
-                } else {
-                    Ok(t.encode(text, false))
-                }
-            }
+        if matches!(self.0, llama::codec::Codec::Bytes) {
+            return Ok(libkv::model::tokenize(text));
+        }
+        let text = std::str::from_utf8(text)
+            .map_err(|e| Failure::new(exit::USAGE, format!("the prompt is not UTF-8: {e}")))?;
+        if chat {
+            self.0
+                .encode_chat(&[Message::user(text)])
+                .map_err(|e| Failure::new(exit::USAGE, e.to_string()))
+        } else {
+            Ok(self.0.encode(text))
         }
     }
 
     /// Tokens as bytes (UTF-8 for text; a character may be split between two calls).
     pub fn decode(&self, tokens: &[u32]) -> Vec<u8> {
-        match self {
-            Codec::Bytes => tokens
-                .iter()
-                .map(|&t| u8::try_from(t).unwrap_or(b'?'))
-                .collect(),
-            Codec::Gguf(t) => t.decode(tokens),
-        }
+        self.0.decode(tokens)
     }
 }
 
