@@ -31,8 +31,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// Tokens per `Tokens` frame (the last frame may hold fewer).
+/// Most tokens per `Tokens` frame.
 pub(crate) const TOKENS_PER_FRAME: usize = 8;
+
+/// Longest a generated token waits for the rest of its frame: a model slower than
+/// `TOKENS_PER_FRAME` tokens in this time streams smaller frames, so a client sees each
+/// token about when it exists. The first token always goes out alone, at once (time to
+/// first token).
+const FRAME_INTERVAL: Duration = Duration::from_millis(25);
 
 /// One request's pull, verification and decode.
 #[derive(Debug)]
@@ -692,6 +698,7 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
     let model: &dyn ModelRunner = ctx.model.as_ref();
     let mut batch = Vec::with_capacity(TOKENS_PER_FRAME);
     let mut first_index = 0u32;
+    let mut last_frame = Instant::now();
     check(decode_deadline, "decode")?;
     let output = libkv::model::decode_with(
         model,
@@ -703,7 +710,12 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
         |step, token| {
             add(&counters.tokens_generated, 1);
             batch.push(token);
-            if batch.len() == TOKENS_PER_FRAME || step + 1 == max_new_tokens {
+            if step == 0
+                || batch.len() == TOKENS_PER_FRAME
+                || step + 1 == max_new_tokens
+                || last_frame.elapsed() >= FRAME_INTERVAL
+            {
+                last_frame = Instant::now();
                 let tokens = std::mem::replace(&mut batch, Vec::with_capacity(TOKENS_PER_FRAME));
                 emit(
                     Tokens {
