@@ -226,6 +226,9 @@ pub enum ConfigError {
     #[error("metrics.listen {addr:?} is not IP:PORT (e.g. \"127.0.0.1:9470\")")]
     BadMetricsListen { addr: String },
 
+    #[error("[openai] {reason}")]
+    BadOpenAi { reason: String },
+
     #[error(
         "rdma.device is empty; name the RDMA device (as `ibv_devices` lists it, e.g. \"mlx5_0\")"
     )]
@@ -268,6 +271,77 @@ pub struct Config {
     /// The model the workers run; the reference model unless set.
     #[serde(default)]
     pub model: ModelConfig,
+    /// openaid, the OpenAI-compatible HTTP endpoint (kvctld and the workers ignore it).
+    #[serde(default)]
+    pub openai: OpenAi,
+}
+
+/// The `[openai]` section: where openaid, the OpenAI-compatible HTTP endpoint, listens and
+/// whom it charges. Without `api_keys` every request is charged to `tenant` and openaid
+/// listens on loopback only; with it, a request must carry `Authorization: Bearer KEY` for
+/// a key of the file, which names its tenant.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OpenAi {
+    /// `IP:PORT` of the HTTP listener.
+    pub listen: String,
+    /// The tenant of every request when there is no key file.
+    pub tenant: String,
+    /// A file of `KEY TENANT` lines (`#` starts a comment), readable by openaid only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub api_keys: Option<PathBuf>,
+    /// Most requests in flight at once; one more is answered 503 at once.
+    pub max_requests: u32,
+}
+
+impl Default for OpenAi {
+    fn default() -> OpenAi {
+        OpenAi {
+            listen: "127.0.0.1:8000".into(),
+            tenant: "openai".into(),
+            api_keys: None,
+            max_requests: 256,
+        }
+    }
+}
+
+impl OpenAi {
+    /// The address to listen on.
+    pub fn listen_addr(&self) -> Result<SocketAddr, ConfigError> {
+        let bad = |reason: &str| ConfigError::BadOpenAi {
+            reason: format!("listen {:?}: {reason}", self.listen),
+        };
+        let addr: SocketAddr = self.listen.parse().map_err(|_| bad("not IP:PORT"))?;
+        if addr.ip().is_multicast() {
+            return Err(bad("a multicast address"));
+        }
+        if self.api_keys.is_none() && !addr.ip().is_loopback() {
+            return Err(bad(
+                "not a loopback address, and without api_keys anyone reaching it could \
+                 submit requests",
+            ));
+        }
+        Ok(addr)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        self.listen_addr()?;
+        if !crate::proto::is_valid_tenant(&self.tenant) {
+            return Err(ConfigError::BadOpenAi {
+                reason: format!(
+                    "tenant {:?} is not 1 to {} bytes of [A-Za-z0-9_.-]",
+                    self.tenant,
+                    crate::proto::MAX_TENANT_BYTES
+                ),
+            });
+        }
+        if self.max_requests == 0 {
+            return Err(ConfigError::BadOpenAi {
+                reason: "max_requests is 0".into(),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// Which model prefilld and decoded run. Every worker of a kvctld runs the same one: kvctld
@@ -787,6 +861,7 @@ impl Config {
             rdma: None,
             metrics: Metrics::default(),
             model: ModelConfig::default(),
+            openai: OpenAi::default(),
         }
     }
 
@@ -846,6 +921,7 @@ impl Config {
             return Err(ConfigError::RdmaSectionMissing);
         }
         self.metrics.listen_addr()?;
+        self.openai.validate()?;
         self.transfer.listen_addr().map(drop)
     }
 
