@@ -3,7 +3,7 @@
 #   1. `systemd-analyze verify` on every unit (templates through an instance). verify exits 0
 #      on unknown keys and bad values, so ANY output on stderr is a failure.
 #   2. `systemd-analyze security --offline=true`: the overall exposure must be at most the
-#      threshold (2.0 for kvctld, 4.0 for the workers), checked twice: by systemd-analyze's
+#      threshold (2.0 for kvctld, 4.0 for the workers, 2.5 for openaid), checked twice: by systemd-analyze's
 #      own --threshold (non-zero exit above it) and by parsing the "Overall exposure level" line.
 #   3. The sysusers.d and tmpfiles.d snippets apply cleanly to an empty temporary root.
 #   4. decoded@.service is prefilld@.service with the names changed (they must not drift).
@@ -19,11 +19,12 @@ cd "$(dirname "$0")/.."
 
 ctl_max=2.0
 worker_max=4.0
+api_max=2.5
 while [ $# -gt 0 ]; do
   case $1 in
     --threshold-ctl) ctl_max=$2; shift 2 ;;
     --threshold-worker) worker_max=$2; shift 2 ;;
-    --threshold) ctl_max=$2; worker_max=$2; shift 2 ;;
+    --threshold) ctl_max=$2; worker_max=$2; api_max=$2; shift 2 ;;
     -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "check-units: unknown argument $1" >&2; exit 1 ;;
   esac
@@ -38,7 +39,7 @@ echo "check-units: $(systemd-analyze --version | head -1)"
 work=$(mktemp -d -t kvfence-units.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/bin" "$work/units" "$work/root/etc"
-for b in kvctld prefilld decoded; do
+for b in kvctld prefilld decoded openaid; do
   printf '#!/bin/sh\nexit 0\n' > "$work/bin/$b"
   chmod 755 "$work/bin/$b"
 done
@@ -49,7 +50,8 @@ export SYSTEMD_UNIT_PATH="$work/units:"   # trailing colon: then the default sea
 fail=0
 
 # 1. verify: every unit, the templates through an instance name.
-units=(kvctld.socket kvctld.service kvfence.target prefilld@check.service decoded@check.service)
+units=(kvctld.socket kvctld.service kvfence.target prefilld@check.service decoded@check.service
+  openaid.service)
 if ! timeout 60 systemd-analyze verify "${units[@]}" > "$work/verify.out" 2> "$work/verify.err" \
   || [ -s "$work/verify.err" ]; then
   echo "check-units: FAIL: systemd-analyze verify:" >&2
@@ -82,6 +84,7 @@ exposure() { # unit max
 exposure kvctld.service "$ctl_max" || fail=1
 exposure prefilld@check.service "$worker_max" || fail=1
 exposure decoded@check.service "$worker_max" || fail=1
+exposure openaid.service "$api_max" || fail=1
 
 # 3. sysusers.d and tmpfiles.d snippets, applied to an empty root.
 # (systemd-sysusers reports the accounts it creates on stderr: not a failure.)

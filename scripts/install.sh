@@ -13,8 +13,9 @@
 #                  of the host configuration; it does not start until edited (see below)
 #
 # What goes where (DESTDIR prefixes each path):
-#   PREFIX/bin/{kvctld,kvctl,prefilld,decoded}
-#   /etc/systemd/system/{kvctld.socket,kvctld.service,kvfence.target,prefilld@.service,decoded@.service}
+#   PREFIX/bin/{kvctld,kvctl,prefilld,decoded,openaid}
+#   /etc/systemd/system/{kvctld.socket,kvctld.service,kvfence.target,prefilld@.service,decoded@.service,
+#     openaid.service} (openaid is installed, not enabled)
 #     (ExecStart= rewritten to PREFIX/bin when PREFIX is not /usr/local)
 #   /etc/kvfence/kvfence.toml          the commented example made to start on this host: host
 #                                      pools (backend = "host") sized to 1/16 of its memory each,
@@ -60,12 +61,13 @@ elif [ "$(id -u)" != 0 ]; then
   exit 1
 fi
 
-bins=(kvctld kvctl prefilld decoded)
-units=(kvctld.socket kvctld.service kvfence.target prefilld@.service decoded@.service)
+bins=(kvctld kvctl prefilld decoded openaid)
+units=(kvctld.socket kvctld.service kvfence.target prefilld@.service decoded@.service
+  openaid.service)
 target=${CARGO_TARGET_DIR:-$root/target}
 if [ "$build" = 1 ]; then
   echo "install: cargo build --release"
-  (cd "$root" && cargo build --release --locked -p kvctld -p prefilld -p decoded --bins)
+  (cd "$root" && cargo build --release --locked -p kvctld -p prefilld -p decoded -p openaid --bins)
 fi
 for b in "${bins[@]}"; do
   [ -x "$target/release/$b" ] || {

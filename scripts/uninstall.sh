@@ -40,16 +40,17 @@ if [ "$live" = 1 ]; then
   if [ ${#instances[@]} -gt 0 ]; then
     timeout 120 systemctl stop "${instances[@]}" || echo "uninstall: stopping the workers failed" >&2
   fi
-  timeout 120 systemctl stop kvfence.target kvctld.service kvctld.socket 2>/dev/null \
+  timeout 120 systemctl stop openaid.service kvfence.target kvctld.service kvctld.socket 2>/dev/null \
     || echo "uninstall: stopping kvctld failed" >&2
   # Enabled worker instances are symlinks in kvfence.target.wants; disable them all.
   mapfile -t enabled < <(find /etc/systemd/system \( -name 'prefilld@?*.service' -o -name 'decoded@?*.service' \) \
     -type l -printf '%f\n' 2>/dev/null | sort -u)
-  systemctl disable kvfence.target kvctld.service kvctld.socket "${enabled[@]}" 2>/dev/null || true
+  systemctl disable openaid.service kvfence.target kvctld.service kvctld.socket "${enabled[@]}" 2>/dev/null || true
 fi
 
-for b in kvctld kvctl prefilld decoded; do rm -f "$d$prefix/bin/$b"; done
-for u in kvctld.socket kvctld.service kvfence.target prefilld@.service decoded@.service; do
+for b in kvctld kvctl prefilld decoded openaid; do rm -f "$d$prefix/bin/$b"; done
+for u in kvctld.socket kvctld.service kvfence.target prefilld@.service decoded@.service \
+  openaid.service; do
   rm -f "$d/etc/systemd/system/$u"
 done
 rm -f "$d/usr/lib/sysusers.d/kvfence.conf" "$d/usr/lib/tmpfiles.d/kvfence.conf"

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 /// builds them when one is missing.
 pub fn bin_dir() -> PathBuf {
     let dir = default_bin_dir().expect("locating the target directory");
-    for name in ["kvctld", "prefilld", "decoded", "kvctl"] {
+    for name in ["kvctld", "prefilld", "decoded", "kvctl", "openaid"] {
         assert!(
             dir.join(name).is_file(),
             "{} is missing: these tests spawn the real daemons; run `cargo build --bins` \

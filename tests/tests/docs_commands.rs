@@ -7,17 +7,18 @@
 //!
 //! - `kvctl` talks to the temporary kvctld (`--config` of the temporary file, unless the
 //!   line gives its own);
-//! - `kvctld`, `prefilld` and `decoded` without `--check-config` start in the background (a
-//!   daemon's documented command runs in the foreground) and return once it serves or has
-//!   registered;
+//! - `kvctld`, `prefilld`, `decoded` and `openaid` without `--check-config` start in the
+//!   background (a daemon's documented command runs in the foreground) and return once it
+//!   serves or has registered;
 //! - `systemctl` does what the units would for `enable --now`, `start`, `stop` and
 //!   `restart` of `kvctld.socket`, `kvctld.service`, `kvfence.target`, `prefilld@NAME` and
-//!   `decoded@NAME` (the units run `prefilld --id NAME --config /etc/kvfence/NAME.toml`),
-//!   and nothing for the rest (`daemon-reload`, `reset-failed`).
+//!   `decoded@NAME` (the units run `prefilld --id NAME --config /etc/kvfence/NAME.toml`) and
+//!   `openaid.service`, and nothing for the rest (`daemon-reload`, `reset-failed`).
 //!
 //! Lines that need what a test cannot have here are skipped and listed: the installer and
 //! the VM scripts (tested by `tests/install.rs` and `tests/vm/`), cargo and the long runs,
-//! and `...`. `[--opt]` in a line is run both without and with the options. Everything is
+//! and `...`. openaid's documented address, `127.0.0.1:8000`, becomes a free port of
+//! loopback. `[--opt]` in a line is run both without and with the options. Everything is
 //! bounded; build the binaries first (`cargo build --release --bins`).
 
 use kvfence_tests::bin_dir;
@@ -83,6 +84,21 @@ id_of() {
 kvctld() { if is_check "$@"; then command kvctld "$@"; else start_daemon kvctld kvctld "$@"; fi; }
 prefilld() { if is_check "$@"; then command prefilld "$@"; else start_daemon "$(id_of "$@")" prefilld "$@"; fi; }
 decoded() { if is_check "$@"; then command decoded "$@"; else start_daemon "$(id_of "$@")" decoded "$@"; fi; }
+start_openaid() {
+  local n
+  running openaid && return 0
+  : > "$T/logs/openaid.log"
+  RUST_LOG=info command openaid "$@" >> "$T/logs/openaid.log" 2>&1 &
+  echo $! > "$T/pids/openaid"
+  n=0
+  until grep -q "openaid on http://" "$T/logs/openaid.log"; do
+    n=$((n + 1))
+    [ $n -le 300 ] || { log "openaid did not start"; cat "$T/logs/openaid.log" >&2; return 1; }
+    running openaid || { log "openaid exited"; cat "$T/logs/openaid.log" >&2; return 1; }
+    sleep 0.1
+  done
+}
+openaid() { if is_check "$@"; then command openaid "$@"; else start_openaid "$@"; fi; }
 unit_start() {
   local u n w
   u=${1%.service}
@@ -93,6 +109,7 @@ unit_start() {
       for w in $(cat "$T/enabled" 2>/dev/null); do unit_start "$w"; done ;;
     prefilld@*) n=${u#prefilld@}; start_daemon "$n" prefilld --id "$n" --config "$T/etc/kvfence/$n.toml" ;;
     decoded@*) n=${u#decoded@}; start_daemon "$n" decoded --id "$n" --config "$T/etc/kvfence/$n.toml" ;;
+    openaid) start_openaid --config "$CFG" ;;
     *) log "systemctl: nothing to do for $u" ;;
   esac
 }
@@ -102,6 +119,7 @@ unit_stop() {
   case $u in
     prefilld@*) stop_daemon "${u#prefilld@}" ;;
     decoded@*) stop_daemon "${u#decoded@}" ;;
+    openaid) stop_daemon openaid ;;
     kvfence.target|kvctld|kvctld.socket)
       for w in $(cat "$T/enabled" 2>/dev/null); do unit_stop "$w"; done
       stop_daemon kvctld ;;
@@ -132,6 +150,7 @@ fn skipped(line: &str) -> Option<&'static str> {
         "..." => Some("a placeholder"),
         "cargo" => Some("builds or runs the test suite (that is what this is part of)"),
         "scripts/test" => Some("the whole suite"),
+        "scripts/crosscheck-llamacpp.sh" => Some("builds llama.cpp (several minutes)"),
         "scripts/install.sh" | "sudo" => Some("installs into / (tests/install.rs runs it)"),
         f if f.starts_with("tests/vm/") => Some("boots a VM (tests/vm/)"),
         f if f.starts_with("KVFENCE_CRASH_ROUNDS") || f.starts_with("KVFENCE_NETFAULT_ROUNDS") => {
@@ -140,6 +159,20 @@ fn skipped(line: &str) -> Option<&'static str> {
         f if f.starts_with("target/release/kv") => Some("a benchmark or a long run"),
         _ => None,
     }
+}
+
+/// The address the docs give openaid.
+const OPENAI_DOC_ADDR: &str = "127.0.0.1:8000";
+
+/// A port of loopback free now (the listener is closed again at once).
+fn free_loopback_addr() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    l.local_addr().expect("address").to_string()
+}
+
+/// The address openaid of the temporary installation listens on.
+fn openai_addr(tmp: &Path) -> String {
+    std::fs::read_to_string(tmp.join("openai.addr")).expect("openai.addr")
 }
 
 /// The line without its trailing comment (`  # ...`).
@@ -212,7 +245,9 @@ fn run_file(file: &str, tmp: &Path, ran: &mut Vec<String>, skips: &mut Vec<Strin
                 continue;
             }
             for v in variants(line) {
-                let v = v.replace("/etc/kvfence", &etc.display().to_string());
+                let v = v
+                    .replace("/etc/kvfence", &etc.display().to_string())
+                    .replace(OPENAI_DOC_ADDR, &openai_addr(tmp));
                 ran.push(format!("{file}: {v}"));
                 script.push_str(&v);
                 script.push('\n');
@@ -290,7 +325,9 @@ fn every_command_of_the_readmes_runs_as_written() {
     }
     // As install.sh leaves it: kvfence.toml (here small, on a temporary socket) and the
     // default pair's links to it.
-    let cfg = Config::embedded_default(tmp.join("run/kvctld.sock"));
+    let mut cfg = Config::embedded_default(tmp.join("run/kvctld.sock"));
+    cfg.openai.listen = free_loopback_addr();
+    std::fs::write(tmp.join("openai.addr"), &cfg.openai.listen).unwrap();
     write_config(&etc.join("kvfence.toml"), &cfg);
     for w in ["prefill-0", "decode-0"] {
         std::os::unix::fs::symlink("kvfence.toml", etc.join(format!("{w}.toml"))).unwrap();
