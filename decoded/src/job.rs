@@ -653,7 +653,10 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
         let internal = |e: libkv::pool::PoolError| failed(ErrorCode::Internal, e.to_string());
         let mut grant = res.grant_write().map_err(internal)?;
         let keep_going = || check(pull_deadline, "pull").is_ok();
-        match source.pull(&manifest, &mut grant, &keep_going) {
+        let pull_start = Instant::now();
+        let pulled = source.pull(&manifest, &mut grant, &keep_going);
+        add(&counters.pull_us, micros(pull_start.elapsed()));
+        match pulled {
             Ok(()) => {}
             // Stopped: say why (cancelled or past the deadline).
             Err(None) => {
@@ -670,7 +673,10 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
         add(&counters.pages_pulled, pulled);
         add(&counters.bytes_pulled, pulled * page_bytes);
     }
-    let mut kv = match res.verify(&manifest) {
+    let verify_start = Instant::now();
+    let verified = res.verify(&manifest);
+    add(&counters.verify_us, micros(verify_start.elapsed()));
+    let mut kv = match verified {
         Ok(kv) => kv,
         Err(e) => {
             add(&counters.verify_failed, 1);
@@ -756,6 +762,11 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
     );
     drop(kv);
     Ok(())
+}
+
+/// `d` in whole microseconds, for the time counters.
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]

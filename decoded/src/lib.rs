@@ -68,6 +68,10 @@ libkv::worker_counters! {
         tokens_generated,
         aborts,
         freed_pages,
+        /// Microseconds spent pulling pages, and verifying them, over all requests: two
+        /// readings give the split of a transfer (`kvttftbench`).
+        pull_us,
+        verify_us,
     }
 }
 
