@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The llama runner against llama.cpp on the same model (SmolLM2-135M-Instruct, Q4_1), the
+# same prompt length and the same threads, in one run: rounds alternate kvfence and
+# llama.cpp (its Python binding, llama-cpp-python, in a virtual environment) on 1 and on 2
+# threads. Each round measures prefill of a 512-token prompt and 64 greedy decode steps
+# after it. Prints every round as a JSON line, then a table of medians with the ratio
+# kvfence / llama.cpp.
+#
+#   scripts/bench-llamacpp.sh [ROUNDS]   # default 3; venv as scripts/crosscheck-llamacpp.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+rounds=${1:-3}
+venv=${LLAMACPP_VENV:-target/llamacpp-venv}
+model=$(scripts/fetch-model)
+if ! "$venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
+  echo "building llama-cpp-python 0.3.36 into $venv (a C++ build: several minutes)" >&2
+  python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install --quiet llama-cpp-python==0.3.36 numpy
+fi
+cargo build --release --quiet -p kvfence-tests --bin kvllmbench
+
+llamacpp() { # threads
+  "$venv/bin/python" - "$model" "$1" <<'PY'
+import json, sys, time
+import numpy as np
+from llama_cpp import Llama
+
+model, threads = sys.argv[1], int(sys.argv[2])
+prompt_len, decode = 512, 64
+# n_batch as large as the context: the binding keeps the last logits at the token's
+# position in a buffer of n_batch rows (logits_all would compute every prompt token's).
+ctx = prompt_len + decode + 16
+llm = Llama(model_path=model, n_ctx=ctx, n_threads=threads, n_threads_batch=threads,
+            n_batch=ctx, n_ubatch=prompt_len, verbose=False)
+text = "The quick brown fox jumps over the lazy dog, and the river runs past the old mill. "
+ids = llm.tokenize((text * 64).encode(), add_bos=False)[:prompt_len]
+llm.reset()
+t = time.perf_counter()
+llm.eval(ids)
+prefill_s = time.perf_counter() - t
+t = time.perf_counter()
+for _ in range(decode):
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    llm.eval([tok])
+decode_s = time.perf_counter() - t
+print(json.dumps({"impl": "llama.cpp", "threads": threads, "prompt": len(ids),
+                  "prefill_tok_s": round(len(ids) / prefill_s, 1), "decode": decode,
+                  "decode_tok_s": round(decode / decode_s, 2)}))
+PY
+}
+
+lines=$(mktemp "${TMPDIR:-/tmp}/kvfence-bench.XXXXXX")
+trap 'rm -f "$lines"' EXIT
+for r in $(seq 1 "$rounds"); do
+  for t in 1 2; do
+    target/release/kvllmbench runner --threads "$t" --prompt 512 --decode 64 | tee -a "$lines"
+    llamacpp "$t" | tee -a "$lines"
+  done
+done
+
+python3 - "$lines" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+print("\n| threads | what | kvfence | llama.cpp | kvfence / llama.cpp |")
+print("| ---: | --- | ---: | ---: | ---: |")
+for t in (1, 2):
+    for key, what in (("prefill_tok_s", "prefill, 512 tokens (tok/s)"),
+                      ("decode_tok_s", "decode, 64 steps (tok/s)")):
+        k = statistics.median(r[key] for r in rows if r["impl"] == "kvfence" and r["threads"] == t)
+        l = statistics.median(r[key] for r in rows if r["impl"] == "llama.cpp" and r["threads"] == t)
+        print(f"| {t} | {what} | {k:.1f} | {l:.1f} | {k / l:.2f} |")
+PY

@@ -1,0 +1,243 @@
+//! kvllmbench: the real model's speed. A benchmark, not a test: it prints figures and
+//! asserts nothing.
+//!
+//! - `kvllmbench runner --threads N`: the llama runner alone on pages in memory: prefill of
+//!   a prompt (tokens/s) and greedy decode steps after it (tokens/s), as one JSON line per
+//!   round. `scripts/bench-llamacpp.sh` runs it alternately with llama.cpp on the same model,
+//!   prompt length and threads.
+//! - `kvllmbench ttft --prompts 512,2048,8192`: time to first token through the whole stack
+//!   (one prefill and one decode worker on shared memory), split into what kvctld measures
+//!   for prefill and for the transfer stage, and what decoded measures of that transfer for
+//!   pulling and for verifying the pages; sequential requests of one new token.
+//!
+//! Both need the model file (`scripts/fetch-model`).
+
+#![allow(clippy::print_stdout)]
+
+use clap::{Parser, Subcommand};
+use kvctld::stack::{Stack, StackOptions, error_chain};
+use libkv::config::{Config, ModelConfig, ModelKind};
+use libkv::model::{MemoryKv, ModelRunner};
+use libkv::proto::{Role, Sampling};
+use libkv::{Dtype, PageGeometry};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "kvllmbench",
+    about = "the real model's speed: the runner, and TTFT through the stack"
+)]
+struct Args {
+    #[command(subcommand)]
+    what: What,
+}
+
+#[derive(Subcommand, Debug)]
+enum What {
+    /// The runner alone: prefill and decode tokens/s.
+    Runner {
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
+        #[arg(long, default_value_t = 512)]
+        prompt: usize,
+        #[arg(long, default_value_t = 64)]
+        decode: u32,
+        #[arg(long, default_value_t = 1)]
+        rounds: u32,
+    },
+    /// Time to first token through the stack, split by stage.
+    Ttft {
+        /// Prompt lengths in tokens, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "512,2048,8192")]
+        prompts: Vec<u32>,
+        /// Threads of each worker's model.
+        #[arg(long, default_value_t = 2)]
+        threads: u32,
+        /// Requests per prompt length.
+        #[arg(long, default_value_t = 2)]
+        requests: u32,
+    },
+}
+
+/// `n` token ids of ordinary text (the numbers are irrelevant to the speed; the text keeps
+/// attention realistic).
+fn prompt_tokens(tok: &llama::tokenizer::Tokenizer, n: usize) -> Vec<u32> {
+    let text =
+        "The quick brown fox jumps over the lazy dog, and the river runs past the old mill. ";
+    let mut ids = Vec::with_capacity(n + 32);
+    while ids.len() < n {
+        tok.encode_into(text, false, &mut ids);
+    }
+    ids.truncate(n);
+    ids
+}
+
+fn runner(threads: usize, prompt_len: usize, decode: u32, rounds: u32) -> Result<(), String> {
+    let path = llama::gguf::default_model_path();
+    let g = llama::load::model_geometry(&path, 16, Dtype::Bf16).map_err(|e| error_chain(&e))?;
+    let model = llama::load::load_gguf(&path, g, threads).map_err(|e| error_chain(&e))?;
+    let tok = model
+        .tokenizer
+        .as_ref()
+        .ok_or("the model has no tokenizer")?;
+    let prompt = prompt_tokens(tok, prompt_len);
+    let n = u32::try_from(prompt.len()).map_err(|e| e.to_string())?;
+    let runner: &dyn ModelRunner = model.runner.as_ref();
+    for round in 0..rounds {
+        let mut kv = MemoryKv::new(g, u64::from(n), u64::from(decode));
+        let t = Instant::now();
+        runner
+            .prefill(&prompt, &mut kv)
+            .map_err(|e| e.to_string())?;
+        let prefill_s = t.elapsed().as_secs_f64();
+        kv.set_prefilled(u64::from(n));
+        let mut input = *prompt.last().ok_or("empty prompt")?;
+        let t = Instant::now();
+        for step in 0..decode {
+            input = runner
+                .sample(&mut kv, input, step, n, &Sampling::GREEDY)
+                .map_err(|e| e.to_string())?;
+        }
+        let decode_s = t.elapsed().as_secs_f64();
+        println!(
+            "{{\"impl\":\"kvfence\",\"threads\":{threads},\"round\":{round},\"prompt\":{n},\
+             \"prefill_tok_s\":{:.1},\"decode\":{decode},\"decode_tok_s\":{:.2}}}",
+            f64::from(n) / prefill_s,
+            f64::from(decode) / decode_s
+        );
+    }
+    Ok(())
+}
+
+fn ttft(prompts: &[u32], threads: u32, requests: u32) -> Result<(), String> {
+    let path = llama::gguf::default_model_path();
+    let max_prompt = *prompts.iter().max().ok_or("no prompt lengths")?;
+    let g: PageGeometry =
+        llama::load::model_geometry(&path, 16, Dtype::Bf16).map_err(|e| error_chain(&e))?;
+    let (tok, _) = llama::load::load_tokenizer(&path).map_err(|e| error_chain(&e))?;
+    let dir = tempfile::Builder::new()
+        .prefix("kvttft")
+        .tempdir_in("/tmp")
+        .map_err(|e| e.to_string())?;
+    let mut cfg = Config::embedded_default(dir.path().join("ctl.sock"));
+    cfg.geometry = g;
+    cfg.limits.max_context = max_prompt;
+    cfg.limits.max_new_tokens = 1;
+    let pages = g.pages_for_tokens(u64::from(max_prompt) + 1);
+    cfg.prefill.pool_pages = u32::try_from(pages + 1).map_err(|e| e.to_string())?;
+    cfg.decode.pool_pages = cfg.prefill.pool_pages;
+    cfg.model = ModelConfig {
+        kind: ModelKind::Gguf,
+        path: Some(path),
+        threads,
+    };
+    cfg.deadlines.admission_wait = 600_000;
+    cfg.deadlines.prefill = 600_000;
+    cfg.deadlines.transfer = 60_000;
+    cfg.deadlines.decode = 60_000;
+    cfg.deadlines.request = 900_000;
+    let stack = StackOptions::new(cfg, dir.path().join("stack"))
+        .and_then(Stack::start)
+        .map_err(|e| error_chain(&e))?;
+    let decode_id = stack
+        .worker_ids(Role::Decode)
+        .into_iter()
+        .next()
+        .ok_or("no decode worker")?;
+    let read = |stack: &Stack| -> Result<Reading, String> {
+        let s = stack.status().map_err(|e| error_chain(&e))?;
+        let get = |name: &str| kvfence_tests::counter(&s, name).unwrap_or(0);
+        let worker = |name: &str| kvfence_tests::worker_counter(&s, &decode_id, name).unwrap_or(0);
+        Ok(Reading {
+            bootstrap_us: get("latency_bootstrap_us"),
+            prefill_us: get("latency_prefill_us"),
+            transfer_us: get("latency_transfer_us"),
+            first_token_us: get("latency_first_token_us"),
+            pull_us: worker("pull_us"),
+            verify_us: worker("verify_us"),
+            verified: worker("verified"),
+        })
+    };
+    println!(
+        "kvllmbench ttft: SmolLM2-135M, {threads} threads per worker, {requests} sequential \
+         requests per length, one new token, shared memory"
+    );
+    println!(
+        "| prompt tokens | pages | TTFT ms | bootstrap ms | prefill ms | transfer stage ms | \
+         pull ms | verify ms | first step and the rest ms | prefill tok/s |"
+    );
+    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    for &len in prompts {
+        let prompt = prompt_tokens(&tok, len as usize);
+        let mut sums = [0f64; 6];
+        for _ in 0..requests {
+            let before = read(&stack)?;
+            let mut client = stack.client().map_err(|e| error_chain(&e))?;
+            client.set_default_deadline(Duration::from_secs(900));
+            client
+                .generate("bench", &prompt, 1, 0, |_| {})
+                .map_err(|e| error_chain(&e))?;
+            // The worker's counters arrive with its next pool report.
+            let after = kvctld::stack::wait_until(Duration::from_secs(10), || {
+                read(&stack).ok().filter(|r| r.verified > before.verified)
+            })
+            .ok_or("decoded's counters did not show the request")?;
+            let ms = |a: u64, b: u64| a.saturating_sub(b) as f64 / 1000.0;
+            sums[0] += ms(after.first_token_us, before.first_token_us);
+            sums[1] += ms(after.prefill_us, before.prefill_us);
+            sums[2] += ms(after.transfer_us, before.transfer_us);
+            sums[3] += ms(after.pull_us, before.pull_us);
+            sums[4] += ms(after.verify_us, before.verify_us);
+            sums[5] += ms(after.bootstrap_us, before.bootstrap_us);
+        }
+        let mean = sums.map(|s| s / f64::from(requests));
+        println!(
+            "| {len} | {} | {:.0} | {:.1} | {:.0} | {:.2} | {:.2} | {:.3} | {:.0} | {:.0} |",
+            g.pages_for_tokens(u64::from(len)),
+            mean[0],
+            mean[5],
+            mean[1],
+            mean[2],
+            mean[3],
+            mean[4],
+            mean[0] - mean[5] - mean[1] - mean[2],
+            f64::from(len) / (mean[1] / 1000.0)
+        );
+    }
+    Ok(())
+}
+
+/// Cumulative counters at one moment.
+struct Reading {
+    bootstrap_us: u64,
+    prefill_us: u64,
+    transfer_us: u64,
+    first_token_us: u64,
+    pull_us: u64,
+    verify_us: u64,
+    verified: u64,
+}
+
+fn main() -> ExitCode {
+    let result = match Args::parse().what {
+        What::Runner {
+            threads,
+            prompt,
+            decode,
+            rounds,
+        } => runner(threads, prompt, decode, rounds),
+        What::Ttft {
+            prompts,
+            threads,
+            requests,
+        } => ttft(&prompts, threads, requests),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvllmbench: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
