@@ -59,6 +59,14 @@ impl Codec {
         }
     }
 
+    /// How many token ids there are (ids are below it).
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Codec::Bytes => 256,
+            Codec::Gguf { tokenizer, .. } => tokenizer.vocab_size(),
+        }
+    }
+
     /// Plain `text` as tokens, control-token texts in it encoded as plain characters.
     pub fn encode(&self, text: &str) -> Vec<u32> {
         match self {

@@ -242,7 +242,16 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Byte
                     format!("{} prompts in one request; send one", t.len()),
                 ));
             }
-            Prompt::Tokens(t) => t,
+            Prompt::Tokens(t) => {
+                let vocab = app.codec.vocab_size();
+                if let Some(bad) = t.iter().find(|&&id| id as usize >= vocab) {
+                    return Err(ApiError::invalid(
+                        "prompt",
+                        format!("token id {bad} is outside the vocabulary of {vocab}"),
+                    ));
+                }
+                t
+            }
         };
         let max_tokens = req.max_tokens.unwrap_or(16);
         Ok((tenant, prompt, max_tokens, req.common))

@@ -347,6 +347,15 @@ fn raw_http_errors(addr: &str, model_id: &str) {
         (400, "max_tokens_exceeded"),
         "{b}"
     );
+    let (s, b) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        &[],
+        Some(&json!({"model": model_id, "prompt": [1, 2, 4_000_000], "max_tokens": 1})),
+    );
+    assert_eq!(s, 400, "{b}");
+    assert_eq!(json_of(&b)["error"]["param"], "prompt");
     let (s, b) = http(addr, "GET", "/v1/nothing", &[], None);
     assert_eq!((s, error(s, &b).as_str()), (404, "unknown_url"));
 }
