@@ -229,6 +229,20 @@ generate() {
   cat "$out/status-running.txt"
 }
 
+# openaid under its hardened unit: it starts (READY=1 once bound), finds kvctld and the
+# workers (/health 200), and stops cleanly on SIGTERM.
+openai_endpoint() {
+  local reply
+  timeout 60 systemctl start openaid.service || { show openaid.service; return 1; }
+  is_state openaid.service active || { show openaid.service; return 2; }
+  reply=$(timeout 10 bash -c 'exec 3<>/dev/tcp/127.0.0.1/8000
+    printf "GET /health HTTP/1.0\r\nHost: kvfence\r\n\r\n" >&3; cat <&3') || { show openaid.service; return 3; }
+  echo "$reply"
+  grep -q '"status":"ok"' <<<"$reply" || { echo "openaid is not healthy"; show openaid.service; return 4; }
+  timeout 60 systemctl stop openaid.service || return 5
+  [ "$(systemctl show -P ExecMainStatus openaid.service)" = 0 ] || { echo "openaid did not exit 0"; show openaid.service; return 6; }
+}
+
 # Draining prefill-0 and decode-0 sends every new request to prefill-1 and decode-1.
 drain_pair() {
   timeout 60 $bin/kvctl drain prefill-0 --wait --timeout-ms 30000 || return 1
@@ -312,6 +326,7 @@ step socket-activation needs=socket-listening -- socket_activation
 step start-workers needs=socket-listening -- start_workers
 step registered needs=start-workers -- registered
 step generate needs=start-workers -- generate
+step openai-endpoint needs=generate -- openai_endpoint
 step drain-pair needs=generate -- drain_pair
 step restart-drained needs=drain-pair -- restart_drained
 step graceful-stop needs=socket-listening -- graceful_stop

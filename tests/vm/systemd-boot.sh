@@ -48,11 +48,11 @@ for f in kernel/vmlinux initramfs.cpio.gz rootfs/lib/systemd/systemd; do
   [ -e "$cache/$f" ] || skip "$cache/$f missing: run tests/vm/setup.sh"
 done
 
-bins=(kvctld kvctl prefilld decoded)
+bins=(kvctld kvctl prefilld decoded openaid)
 target=${CARGO_TARGET_DIR:-$root/target}
 if [ "$build" = 1 ]; then
   echo "systemd-boot: cargo build --release"
-  (cd "$root" && timeout 1800 cargo build --release --locked -p kvctld -p prefilld -p decoded --bins) \
+  (cd "$root" && timeout 1800 cargo build --release --locked -p kvctld -p prefilld -p decoded -p openaid --bins) \
     || { echo "systemd-boot: FAIL: cargo build" >&2; exit 1; }
 fi
 for b in "${bins[@]}"; do
