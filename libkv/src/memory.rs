@@ -9,8 +9,9 @@
 //! pass: each page is copied a chunk at a time into decode's own page, and each chunk is
 //! digested from the registers its copy stored (where the CPU folds crc32c with carry-less
 //! multiplication; elsewhere from the destination right after its copy, while it is still in
-//! L1; see [`Landing::copy_in`]). A large pull can be split over a few threads, each taking a
-//! run of pages.
+//! L1; see [`Landing::copy_in`]). Where the CPU folds, the stores are streaming ones, fenced
+//! once per page, so the pull moves two bytes of memory per byte instead of a memcpy's three.
+//! A large pull can be split over a few threads, each taking a run of pages.
 
 use crate::ids::PageId;
 use crate::pool::{Landing, Source};

@@ -22,7 +22,7 @@ use crate::config::{PoisonMode, Scrub};
 use crate::geometry::PageGeometry;
 use crate::ids::{Owner, PageId};
 use crate::memory::PoolMemory;
-use crate::sys::digest::Crc32c;
+use crate::sys::digest::{Crc32c, store_fence};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -704,6 +704,11 @@ pub struct Landing<'a> {
     page: usize,
     filled: usize,
     crc: Crc32c,
+    /// Whether bytes were copied in since the last [`store_fence`]: streaming stores, to be
+    /// fenced before the page is recorded complete or the landing ends. A fence orders only
+    /// the stores of its own thread, so a landing is filled and dropped on one thread (a
+    /// pull splits it before any byte lands and hands each part to one thread).
+    unfenced: bool,
 }
 
 impl fmt::Debug for Landing<'_> {
@@ -725,6 +730,7 @@ impl<'a> Landing<'a> {
             page: 0,
             filled: 0,
             crc: Crc32c::new(0),
+            unfenced: false,
         };
         l.skip_empty();
         l
@@ -801,8 +807,10 @@ impl<'a> Landing<'a> {
         if self.slots.is_some() {
             // SAFETY: a `Source` is readable for its length, at least `n`, and never overlaps
             // a landing's pages (`Source::from_raw`'s contract; a slice cannot overlap pages
-            // this landing borrows uniquely).
-            unsafe { self.crc.copy_from_ptr(dst, from.ptr) };
+            // this landing borrows uniquely). The fence comes when the page is complete or
+            // the landing is dropped (see `unfenced`).
+            unsafe { self.crc.copy_unfenced(dst, from.ptr) };
+            self.unfenced = true;
         } else {
             // SAFETY: as above.
             unsafe { std::ptr::copy_nonoverlapping(from.ptr, dst.as_mut_ptr(), n) };
@@ -867,7 +875,7 @@ impl<'a> Landing<'a> {
     /// device, and what records each one once the device reports it landed. `None` if a
     /// byte has landed already.
     #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
-    pub(crate) fn into_device(self) -> Option<(Vec<&'a mut [u8]>, DeviceLanded<'a>)> {
+    pub(crate) fn into_device(mut self) -> Option<(Vec<&'a mut [u8]>, DeviceLanded<'a>)> {
         if self.page > 0 || self.filled > 0 {
             return None;
         }
@@ -877,10 +885,10 @@ impl<'a> Landing<'a> {
             .map(|p| (p.as_ptr() as usize, p.len()))
             .collect();
         Some((
-            self.pages,
+            std::mem::take(&mut self.pages),
             DeviceLanded {
                 expected,
-                slots: self.slots,
+                slots: self.slots.take(),
             },
         ))
     }
@@ -904,6 +912,7 @@ impl<'a> Landing<'a> {
     }
 
     fn finish_page(&mut self) {
+        self.fence();
         let crc = std::mem::take(&mut self.crc);
         if let Some(slot) = self.slots.as_mut().and_then(|s| s.get_mut(self.page)) {
             *slot = Some(crc.value());
@@ -917,6 +926,20 @@ impl<'a> Landing<'a> {
         while self.pages.get(self.page).is_some_and(|p| p.is_empty()) {
             self.finish_page();
         }
+    }
+
+    /// Makes the bytes copied in so far visible to every thread before what follows.
+    fn fence(&mut self) {
+        if std::mem::take(&mut self.unfenced) {
+            store_fence();
+        }
+    }
+}
+
+impl Drop for Landing<'_> {
+    fn drop(&mut self) {
+        // A page left incomplete is digested by verification, maybe on another thread.
+        self.fence();
     }
 }
 
@@ -959,8 +982,9 @@ impl Source<'_> {
         self.len
     }
 
-    /// Where the bytes start (to be read through raw pointers only).
-    pub(crate) fn ptr(&self) -> *const u8 {
+    /// Where the bytes start (to be read through raw pointers only, for the source's `len`
+    /// bytes and its lifetime).
+    pub fn ptr(&self) -> *const u8 {
         self.ptr
     }
 
@@ -1236,6 +1260,7 @@ mod tests {
                     .unwrap();
                 }
             }
+            drop((first, second, third));
             // a landing that has begun cannot give away its current page
             let mut l = grant.landing(0..2).unwrap();
             l.fill(1, |d| Ok::<_, ()>(d.len())).unwrap();

@@ -204,6 +204,9 @@ type Batch = Vec<(libkv::PageId, libkv::PageId)>;
 enum Pass {
     /// memcpy of the same pages between the same two mappings (no pool, no digest).
     Memcpy(usize),
+    /// The same copy with the fused pull's stores (streaming, 32 bytes at a time) and no
+    /// digest: what the pull + verify would cost if its digest were free.
+    StreamCopy(usize),
     /// The pull without a digest: reserve, grant, copy each page, drop the grant.
     Pull,
     /// The pull as decoded does it: reserve, grant, copy and digest fused, verify.
@@ -221,7 +224,7 @@ enum Pass {
 impl Pass {
     fn threads(self) -> usize {
         match self {
-            Pass::Memcpy(t) | Pass::PullVerify(t) | Pass::Control(t) => t,
+            Pass::Memcpy(t) | Pass::StreamCopy(t) | Pass::PullVerify(t) | Pass::Control(t) => t,
             _ => 1,
         }
     }
@@ -255,12 +258,13 @@ impl Rig {
         let bytes = (batches * n * self.page) as f64;
         let t = Instant::now();
         match pass {
-            Pass::Memcpy(threads) | Pass::Control(threads) => {
+            Pass::Memcpy(threads) | Pass::Control(threads) | Pass::StreamCopy(threads) => {
                 let page = self.page;
                 let map = &mut self.decode_map[..];
                 let source = &self.source;
+                let stream = matches!(pass, Pass::StreamCopy(_));
                 for b in last {
-                    copy_batch(source, map, page, b, threads);
+                    copy_batch(source, map, page, b, threads, stream);
                 }
                 black_box(&self.decode_map);
             }
@@ -335,9 +339,25 @@ impl Rig {
     }
 }
 
-/// memcpy of one batch's pages from the source mapping into the decode pool's memory (its
-/// second mapping), on `threads` threads, each taking a run of the pages.
-fn copy_batch(source: &ForeignPool, map: &mut [u8], page: usize, b: &Batch, threads: usize) {
+/// memcpy (or, with `stream`, [`stream_copy`]) of one batch's pages from the source mapping
+/// into the decode pool's memory (its second mapping), on `threads` threads, each taking a
+/// run of the pages.
+fn copy_batch(
+    source: &ForeignPool,
+    map: &mut [u8],
+    page: usize,
+    b: &Batch,
+    threads: usize,
+    stream: bool,
+) {
+    let copy = |s: libkv::PageId, d: &mut [u8]| {
+        if stream {
+            let from = source.source(s, 0, d.len()).expect("in range");
+            stream_copy(d, from);
+        } else {
+            source.copy_page(s, d).expect("in range");
+        }
+    };
     // The batch's destination pages as disjoint slices, then back in the batch's order, so
     // that the copies run in the pull's order and the threads take the pull's runs.
     let mut want: Vec<(usize, libkv::PageId, usize)> = b
@@ -364,14 +384,52 @@ fn copy_batch(source: &ForeignPool, map: &mut [u8], page: usize, b: &Batch, thre
         for chunk in chunks {
             scope.spawn(move || {
                 for (_, s, d) in chunk.iter_mut() {
-                    source.copy_page(*s, d).expect("in range");
+                    copy(*s, d);
                 }
             });
         }
         for (_, s, d) in mine.into_iter().flatten() {
-            source.copy_page(*s, d).expect("in range");
+            copy(*s, d);
         }
     });
+}
+
+/// Copies `from` into `dst` (the same length) with 32-byte streaming stores, as the fused
+/// pull stores (see `libkv::sys::digest`), but folds nothing; a plain copy where the CPU has
+/// no AVX2 or `dst` is not aligned to 32.
+fn stream_copy(dst: &mut [u8], from: libkv::pool::Source<'_>) {
+    assert_eq!(dst.len(), from.len());
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && dst.as_ptr().addr().is_multiple_of(32) {
+        // SAFETY: the CPU has AVX2 (checked just above), `from` is readable for its length,
+        // `dst.len()`, and is another mapping than `dst`; `dst` is aligned to 32.
+        unsafe { stream_copy_avx2(dst, from.ptr()) };
+        return;
+    }
+    // SAFETY: as above: readable for `dst.len()` bytes, not overlapping `dst`.
+    unsafe { std::ptr::copy_nonoverlapping(from.ptr(), dst.as_mut_ptr(), dst.len()) };
+}
+
+/// # Safety
+/// The CPU must have AVX2; `src` must be readable for `dst.len()` bytes and not overlap
+/// `dst`, which must be aligned to 32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn stream_copy_avx2(dst: &mut [u8], src: *const u8) {
+    use std::arch::x86_64::{__m256i, _mm_sfence, _mm256_loadu_si256, _mm256_stream_si256};
+    let whole = dst.len() / 32 * 32;
+    let d = dst.as_mut_ptr();
+    for at in (0..whole).step_by(32) {
+        // SAFETY: `at + 32 <= dst.len()`: inside both (the caller's contract); the load is
+        // unaligned, the store aligned to 32 (`dst` is, and `at` is a multiple of 32).
+        unsafe {
+            let v = _mm256_loadu_si256(src.add(at).cast::<__m256i>());
+            _mm256_stream_si256(d.add(at).cast::<__m256i>(), v);
+        }
+    }
+    _mm_sfence();
+    // SAFETY: the rest of both, as above.
+    unsafe { std::ptr::copy_nonoverlapping(src.add(whole), d.add(whole), dst.len() - whole) };
 }
 
 fn transfer(out: &mut impl Write) -> std::io::Result<Vec<Ratios>> {
@@ -436,7 +494,7 @@ fn transfer(out: &mut impl Write) -> std::io::Result<Vec<Ratios>> {
     writeln!(
         out,
         "  batch   thr  memcpy  memcpy again     pull   /memcpy          pull+verify      \
-         /memcpy          copy,then-verify heap memcpy/batch"
+         /memcpy          copy,then-verify streaming copy   pull+verify/stream heap memcpy/batch"
     )?;
     const BATCHES: [usize; 3] = [64 << 10, 1 << 20, 16 << 20];
     // Rounds of every (batch, threads) case: batches of more than one page on 1 and 2.
@@ -449,7 +507,11 @@ fn transfer(out: &mut impl Write) -> std::io::Result<Vec<Ratios>> {
         let n = (batch_bytes / page).max(1);
         let thread_counts: &[usize] = if n > 1 { &[1, 2] } else { &[1] };
         for &threads in thread_counts {
-            let mut passes = vec![Pass::Control(threads), Pass::PullVerify(threads)];
+            let mut passes = vec![
+                Pass::Control(threads),
+                Pass::StreamCopy(threads),
+                Pass::PullVerify(threads),
+            ];
             if threads == 1 {
                 passes.extend([Pass::Pull, Pass::CopyThenVerify, Pass::HeapMemcpy]);
             }
@@ -506,6 +568,18 @@ fn transfer(out: &mut impl Write) -> std::io::Result<Vec<Ratios>> {
             let (p, pr) = show(Pass::Pull);
             let (v, vr) = show(Pass::PullVerify(threads));
             let (_, cr) = show(Pass::CopyThenVerify);
+            let (_, sr) = show(Pass::StreamCopy(threads));
+            // The digest's own cost: the pull + verify against the streaming copy of the same
+            // round (the same stores, nothing folded).
+            let of = |p: Pass| passes.iter().position(|&q| q == p).map(|i| &rates[i]);
+            let vs = match (of(Pass::PullVerify(threads)), of(Pass::StreamCopy(threads))) {
+                (Some(v), Some(s)) if !v.is_empty() => {
+                    let r: Vec<f64> = v.iter().zip(s).map(|(v, s)| v / s).collect();
+                    let (lo, hi) = range(&r);
+                    format!("{:.2} [{lo:.2}-{hi:.2}]", median(r))
+                }
+                _ => "-".to_string(),
+            };
             let (h, _) = show(Pass::HeapMemcpy);
             let dash = |x: f64| {
                 if x > 0.0 {
@@ -517,7 +591,7 @@ fn transfer(out: &mut impl Write) -> std::io::Result<Vec<Ratios>> {
             writeln!(
                 out,
                 "  {:>6}  {threads:>3}  {m:>6.2}  {mr:<16} {:>5}  {pr:<16} {v:>5.2}  {vr:<16} \
-                 {cr:<16} {:>6}",
+                 {cr:<16} {sr:<16} {vs:<16} {:>6}",
                 human(batch_bytes),
                 dash(p),
                 dash(h),
