@@ -8,10 +8,13 @@
 //! - [`codec`]: text to tokens and back for clients of the served model (kvctl, openaid).
 //! - [`runner`]: the forward pass behind libkv's `ModelRunner`, prefilling into pages and
 //!   decoding from them; [`sample`]: greedy or seeded sampling of the next token.
+//! - [`layout`]: the page order kvfence chose and the one it did not, with the runner's page
+//!   reads and writes in each, for `kvllmbench layout`.
 
 pub mod chat;
 pub mod codec;
 pub mod gguf;
+pub mod layout;
 pub mod load;
 mod math;
 pub mod runner;

@@ -10,7 +10,13 @@
 //!   for prefill and for the transfer stage, and what decoded measures of that transfer for
 //!   pulling and for verifying the pages; sequential requests of one new token.
 //!
-//! Both need the model file (`scripts/fetch-model`).
+//! - `kvllmbench layout --context 2048`: the page order, kvfence's layer-major page against
+//!   a token-major one, with SmolLM2-135M's shape (no model file needed): prefill writing
+//!   every token's K/V, one decode step's attention over the context, and moving the pages
+//!   into an engine's per-layer cache blocks (vLLM's `[block][slot][head][dim]` and the
+//!   head-major `[block][head][slot][dim]`); rounds alternate the two orders.
+//!
+//! `runner` and `ttft` need the model file (`scripts/fetch-model`).
 
 #![allow(clippy::print_stdout)]
 
@@ -45,6 +51,15 @@ enum What {
         decode: u32,
         #[arg(long, default_value_t = 1)]
         rounds: u32,
+    },
+    /// The page order: layer-major against token-major, side by side.
+    Layout {
+        /// Context length in tokens.
+        #[arg(long, default_value_t = 2048)]
+        context: usize,
+        /// Rounds, alternating the two orders.
+        #[arg(long, default_value_t = 7)]
+        rounds: usize,
     },
     /// Time to first token through the stack, split by stage.
     Ttft {
@@ -107,6 +122,118 @@ fn runner(threads: usize, prompt_len: usize, decode: u32, rounds: u32) -> Result
             f64::from(decode) / decode_s
         );
     }
+    Ok(())
+}
+
+fn layout(context: usize, rounds: usize) -> Result<(), String> {
+    use llama::layout::{EngineBlocks, PageOrder, attend, to_engine, write_token};
+    // SmolLM2-135M: 30 layers, 9 query heads over 3 KV heads of 64 dimensions; 16 bf16
+    // tokens per page, as the stack runs it.
+    let g = PageGeometry {
+        tokens_per_page: 16,
+        layers: 30,
+        kv_heads: 3,
+        head_dim: 64,
+        dtype: Dtype::Bf16,
+    };
+    let q_heads = 9;
+    let tpp = g.tokens_per_page as usize;
+    let page_bytes = usize::try_from(g.bytes_per_page()).map_err(|e| e.to_string())?;
+    let n_pages = context.div_ceil(tpp);
+    let per_token = g.layers as usize * 2 * g.kv_heads as usize * g.head_dim as usize;
+    let wave = |n: usize, k: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i * 31 + k * 17) % 97) as f32 - 48.0) / 64.0)
+            .collect()
+    };
+    let token_kv: Vec<Vec<f32>> = (0..16).map(|k| wave(per_token, k)).collect();
+    let q = wave(g.layers as usize * q_heads * g.head_dim as usize, 99);
+    let block = tpp * g.kv_heads as usize * g.head_dim as usize * g.dtype.size();
+    let mut engine = vec![vec![0u8; n_pages * block]; 2 * g.layers as usize];
+    let mut pages: Vec<Vec<Vec<u8>>> = PageOrder::ALL
+        .iter()
+        .map(|_| vec![vec![0u8; page_bytes]; n_pages])
+        .collect();
+    // Seconds per round of each measurement, per order.
+    let mut write = [Vec::new(), Vec::new()];
+    let mut step = [Vec::new(), Vec::new()];
+    let mut nhd = [Vec::new(), Vec::new()];
+    let mut hnd = [Vec::new(), Vec::new()];
+    let mut copies = [[0usize; 2]; 2];
+    let mut outputs: [Vec<f32>; 2] = [Vec::new(), Vec::new()];
+    for round in 0..rounds {
+        for k in 0..2 {
+            let o = (k + round) % 2;
+            let order = PageOrder::ALL[o];
+            let t = Instant::now();
+            for tok in 0..context {
+                let page = &mut pages[o][tok / tpp];
+                write_token(order, &g, page, tok % tpp, &token_kv[tok % 16]);
+            }
+            write[o].push(t.elapsed().as_secs_f64());
+            let refs: Vec<&[u8]> = pages[o].iter().map(Vec::as_slice).collect();
+            let t = Instant::now();
+            outputs[o] = attend(order, &g, q_heads, &refs, context, &q);
+            step[o].push(t.elapsed().as_secs_f64());
+            for (b, blocks) in [EngineBlocks::Nhd, EngineBlocks::Hnd]
+                .into_iter()
+                .enumerate()
+            {
+                let t = Instant::now();
+                copies[o][b] = to_engine(order, &g, &refs, blocks, &mut engine);
+                let s = t.elapsed().as_secs_f64();
+                if b == 0 {
+                    nhd[o].push(s)
+                } else {
+                    hnd[o].push(s)
+                }
+            }
+        }
+    }
+    let med = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let kv_bytes = (context * per_token * g.dtype.size()) as f64;
+    println!(
+        "kvllmbench layout: SmolLM2-135M shape (30 layers, 9 query / 3 KV heads x 64, bf16, 16 \
+         tokens per page), {context} tokens in {n_pages} pages of {} KiB, median of {rounds} \
+         rounds, orders alternating, one thread; attention outputs of the two orders {}",
+        page_bytes / 1024,
+        if outputs[0] == outputs[1] {
+            "identical"
+        } else {
+            "DIFFER"
+        }
+    );
+    println!("| what | layer-major (kvfence) | token-major | token-major / layer-major time |");
+    println!("| --- | ---: | ---: | ---: |");
+    let row = |what: &str, v: &[Vec<f64>; 2], unit: &dyn Fn(f64) -> String| {
+        let (a, b) = (med(&v[0]), med(&v[1]));
+        println!("| {what} | {} | {} | {:.2} |", unit(a), unit(b), b / a);
+    };
+    let per_tok = |s: f64| format!("{:.2} us/token", s / context as f64 * 1e6);
+    let ms = |s: f64| format!("{:.2} ms", s * 1e3);
+    let gbs = |s: f64| format!("{:.2} ms, {:.1} GB/s", s * 1e3, kv_bytes / s / 1e9);
+    row("prefill: write every token's K/V", &write, &per_tok);
+    row("decode: one step's attention over the context", &step, &ms);
+    row(
+        &format!(
+            "pages into `[block][slot][head][dim]` blocks ({} / {} copies)",
+            copies[0][0], copies[1][0]
+        ),
+        &nhd,
+        &gbs,
+    );
+    row(
+        &format!(
+            "pages into `[block][head][slot][dim]` blocks ({} / {} copies)",
+            copies[0][1], copies[1][1]
+        ),
+        &hnd,
+        &gbs,
+    );
     Ok(())
 }
 
@@ -232,6 +359,7 @@ fn main() -> ExitCode {
             threads,
             requests,
         } => ttft(&prompts, threads, requests),
+        What::Layout { context, rounds } => layout(context, rounds),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
