@@ -15,7 +15,9 @@
 # script again (everything is built by then) measures.
 #
 # Usage: scripts/bench-peers.sh [kvtcpbench options, e.g. --rounds 5]
-# Needs python3 with venv, and iperf3 on the PATH for the iperf3 figures.
+# Needs python3 with venv, iperf3 on the PATH for the iperf3 figures, and libibverbs1 (the
+# Mooncake benchmark links it even over TCP; without it Mooncake's figures say why they are
+# missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
