@@ -24,6 +24,8 @@ use std::fmt;
 use std::io;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// Time a client waits past a request's deadline before giving up on kvctld: covers the
@@ -223,6 +225,27 @@ pub struct Client {
     timeout: Duration,
     default_deadline: Duration,
     broken: bool,
+    /// Set by a [`Canceller`] of this client.
+    cancelled: Arc<AtomicBool>,
+}
+
+/// Abandons a [`Client`]'s request from another thread ([`Client::canceller`]): a client
+/// that waits for a long prefill would otherwise learn that its own caller went away only
+/// when the first tokens arrive.
+#[derive(Debug)]
+pub struct Canceller {
+    stream: UnixStream,
+    cancelled: Arc<AtomicBool>,
+}
+
+impl Canceller {
+    /// Shuts the client's connection down: kvctld sees it close and aborts the request
+    /// (freeing its pages as after any abort), and a [`Client::submit`] waiting for its
+    /// output returns [`ClientError::Cancelled`] at once. The client is unusable afterwards.
+    pub fn cancel(&self) {
+        self.cancelled.store(true, Ordering::SeqCst);
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
 }
 
 impl Client {
@@ -245,6 +268,7 @@ impl Client {
             timeout,
             default_deadline: Deadlines::default().request(),
             broken: false,
+            cancelled: Arc::default(),
         };
         // kvctld may refuse a peer (SO_PEERCRED) as soon as it connects, answering Error
         // and closing before it reads the Hello: the send then fails, but the Error is
@@ -384,10 +408,18 @@ impl Client {
         })
     }
 
+    /// What abandons this client's request from another thread (see [`Canceller`]).
+    pub fn canceller(&self) -> io::Result<Canceller> {
+        Ok(Canceller {
+            stream: self.stream.try_clone()?,
+            cancelled: Arc::clone(&self.cancelled),
+        })
+    }
+
     /// Runs the request `submit` as [`Client::generate`] does, with its own sampling. When
-    /// `on_tokens` answers `false` the request is abandoned: the connection is shut down, so
-    /// kvctld aborts the request and frees its pages, and the call returns
-    /// [`ClientError::Cancelled`]; connect again for the next request.
+    /// `on_tokens` answers `false`, or a [`Canceller`] cancels, the request is abandoned:
+    /// the connection is shut down, so kvctld aborts the request and frees its pages, and
+    /// the call returns [`ClientError::Cancelled`]; connect again for the next request.
     pub fn submit(
         &mut self,
         submit: Submit,
@@ -403,7 +435,10 @@ impl Client {
         submit.validate().map_err(ClientError::InvalidRequest)?;
         self.send(&submit)?;
         let deadline = Instant::now() + wait + REPLY_SLACK;
-        let result = self.collect(deadline, &mut on_tokens);
+        let mut result = self.collect(deadline, &mut on_tokens);
+        if result.is_err() && self.cancelled.load(Ordering::SeqCst) {
+            result = Err(ClientError::Cancelled);
+        }
         // After anything but a clean end (Done, or kvctld's Error for the request), frames
         // of this request may still arrive: do not let them answer the next one.
         if matches!(result, Err(ref e) if e.server_code().is_none()) {

@@ -3,8 +3,9 @@
 //! streamed back through a channel. The HTTP status is chosen only once the first tokens
 //! (or kvctld's error) arrive, so a rejected request is always a 4xx; an error after the
 //! first tokens of a stream ends it with an error event and no `[DONE]`. A client that
-//! goes away drops the channel: the next batch of tokens finds it closed, the request is
-//! abandoned and kvctld aborts it and frees its pages.
+//! goes away drops the channel; a watcher sees it closed at once (before the first token,
+//! during a long prefill, as well as later) and cancels the request, so kvctld aborts it
+//! and frees its pages.
 
 use crate::api::{ChatRequest, Common, CompletionRequest, Head, Kind, Prompt, Usage};
 use crate::errors::ApiError;
@@ -16,7 +17,7 @@ use axum::http::{HeaderMap, StatusCode, Uri, header};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
-use kvctld::client::{Client, ClientError};
+use kvctld::client::{Canceller, Client, ClientError};
 use libkv::proto::{MAX_TEMPERATURE_MILLI, Role, Sampling, Submit};
 use llama::codec::{Codec, TextStream};
 use serde_json::{Value, json};
@@ -26,7 +27,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 
 /// How long connecting to kvctld and its handshake may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -375,10 +376,28 @@ async fn run(
     let deadline = app.request_deadline;
     let id = head.id.clone();
     let started = Instant::now();
+    // The watcher: cancels the request as soon as the response side drops the channel
+    // (hyper drops a handler whose connection closed), and ends when the client thread does.
+    let (canceller_tx, canceller_rx) = oneshot::channel::<Canceller>();
+    let (finished_tx, finished_rx) = oneshot::channel::<()>();
+    let watched = tx.clone();
+    tokio::spawn(async move {
+        let Ok(canceller) = canceller_rx.await else {
+            return;
+        };
+        tokio::select! {
+            () = watched.closed() => canceller.cancel(),
+            _ = finished_rx => {}
+        }
+    });
     tokio::task::spawn_blocking(move || {
         let _permit = permit;
+        let _finished = finished_tx;
         let result = Client::connect(&socket, CONNECT_TIMEOUT).and_then(|mut client| {
             client.set_default_deadline(deadline);
+            if let Ok(c) = client.canceller() {
+                let _ = canceller_tx.send(c);
+            }
             client.submit(submit, |tokens| {
                 tx.blocking_send(Update::Tokens(tokens.to_vec())).is_ok()
             })

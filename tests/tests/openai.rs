@@ -2,8 +2,8 @@
 //! the official `openai` Python package (tests/python/openai_client.py) asks for chat and
 //! completions, streamed and whole, and its answers must be the monolithic path's output of
 //! the same model, decoded; a prompt longer than the context is a 400 that says why and
-//! never reaches a worker; a client that goes away mid-stream aborts its request and every
-//! page comes back. Raw HTTP checks the rest: `/health`, `/v1/models`, bad bodies, unknown
+//! never reaches a worker; a client that goes away mid-stream, or while its prompt is still
+//! being prefilled, aborts its request and every page comes back. Raw HTTP checks the rest: `/health`, `/v1/models`, bad bodies, unknown
 //! routes, unsupported parameters, and API keys.
 //!
 //! Needs the model file (`scripts/fetch-model`) and a Python with `openai`
@@ -11,10 +11,12 @@
 //! says so and passes, except under CI (`CI` set), where they must be there.
 
 use kvfence_tests::ops::{Reaped, wait_for};
-use kvfence_tests::{Running, all_worker_ids, bin_dir, counter, start_stack, wait_all_free};
+use kvfence_tests::{
+    Running, all_worker_ids, bin_dir, counter, start_stack, wait_all_free, worker_counter,
+};
 use libkv::config::{Config, ModelConfig, ModelKind};
 use libkv::model::monolithic_paged;
-use libkv::proto::Sampling;
+use libkv::proto::{Role, Sampling, StatusReply};
 use libkv::{Dtype, PageGeometry};
 use llama::chat::Message;
 use serde_json::{Value, json};
@@ -311,8 +313,63 @@ fn the_openai_client_gets_the_models_answers_and_clear_errors() {
         "{openaid_log}"
     );
 
+    leaving_during_prefill(&run, &addr, &model_id);
     raw_http_errors(&addr, &model_id);
     api_keys(&run, &model_id);
+}
+
+/// A client that goes away while its long prompt is being prefilled: openaid notices at
+/// once, not when the first token comes, so the request is abandoned before decode pulls or
+/// verifies a page of it.
+fn leaving_during_prefill(run: &Running, addr: &str, model_id: &str) {
+    let decode = run.stack.worker_ids(Role::Decode);
+    let verified = |s: &StatusReply| worker_counter(s, &decode[0], "verified").unwrap_or(0);
+    let get = |s: &StatusReply, name: &str| counter(s, name).unwrap_or(0);
+    let before = wait_all_free(
+        &run.stack,
+        &all_worker_ids(&run.stack),
+        Duration::from_secs(30),
+    );
+    // About 800 tokens: seconds of prefill on one thread.
+    let body = json!({
+        "model": model_id,
+        "prompt": "The quick brown fox jumps over the lazy dog. ".repeat(80),
+        "max_tokens": 4,
+    })
+    .to_string();
+    let mut s = std::net::TcpStream::connect(addr).expect("connect openaid");
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: kvfence\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).expect("send");
+    let admitted = wait_for(Duration::from_secs(30), || {
+        run.stack
+            .status()
+            .is_ok_and(|st| get(&st, "in_flight") == 1)
+    });
+    assert!(admitted, "the request was not admitted");
+    drop(s);
+    let gone = wait_for(Duration::from_secs(30), || {
+        run.stack
+            .status()
+            .is_ok_and(|st| get(&st, "client_gone") == get(&before, "client_gone") + 1)
+    });
+    assert!(gone, "kvctld did not see the client go");
+    // The report that shows every page free comes after anything decoded did for the
+    // request, so its counters include a pull had there been one.
+    let after = wait_all_free(
+        &run.stack,
+        &all_worker_ids(&run.stack),
+        Duration::from_secs(30),
+    );
+    assert_eq!(
+        verified(&after),
+        verified(&before),
+        "decoded pulled and verified the pages of a request whose client had gone"
+    );
+    assert_eq!(get(&after, "completed"), get(&before, "completed"));
 }
 
 /// Errors openaid answers itself, as OpenAI-style bodies.
