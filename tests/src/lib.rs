@@ -12,7 +12,7 @@ use kvctld::client::{Client, ClientError, GenerateOutcome};
 use kvctld::stack::{Stack, StackOptions, default_bin_dir, error_chain, find_worker, wait_until};
 use libkv::config::{Config, Transfer, TransportKind};
 use libkv::model::{Output, ReferenceModel, monolithic, tokenize};
-use libkv::proto::{Role, StatusReply, WorkerStatus};
+use libkv::proto::{Role, StatusReply, Transport, WorkerStatus};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -143,6 +143,91 @@ pub fn tcp(config: &mut Config) {
         transport: TransportKind::Tcp,
         listen: Some("127.0.0.1:0".into()),
     };
+}
+
+/// How the pages moved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Moved {
+    /// Shared memory: prefilld's page server served nothing.
+    Shm,
+    /// Over TCP: pages served, no RDMA session.
+    Tcp,
+    /// With RDMA reads: pages served through windows, every window invalidated.
+    Rdma,
+}
+
+/// Fails unless the prefill workers' counters say the pages moved as `moved` says. A
+/// worker reports its counters after the fact (prefilld once the pages it served are
+/// released), so the counters are waited for, bounded, never read once.
+pub fn assert_transport(stack: &Stack, moved: Moved) {
+    let want = match moved {
+        Moved::Shm => Transport::Shm,
+        Moved::Tcp => Transport::Tcp,
+        Moved::Rdma => Transport::Rdma,
+    };
+    let check = |s: &StatusReply| -> Result<(), String> {
+        let get = |name: &str| role_counter(s, Role::Prefill, name);
+        let served = get("pages_served");
+        let (sessions, bound, revoked) = (
+            get("rdma_sessions"),
+            get("windows_bound"),
+            get("windows_revoked"),
+        );
+        let what = format!(
+            "{served} pages served, {sessions} RDMA sessions, {bound} windows bound, \
+             {revoked} invalidated"
+        );
+        if s.transport != Some(want) {
+            return Err(format!("kvctld reports the transport {:?}", s.transport));
+        }
+        let ok = match moved {
+            Moved::Shm => served == 0,
+            Moved::Tcp => served > 0 && sessions == 0,
+            Moved::Rdma => served > 0 && sessions > 0 && bound > 0 && bound == revoked,
+        };
+        if ok { Ok(()) } else { Err(what) }
+    };
+    let mut last = String::new();
+    let done = wait_until(Duration::from_secs(10), || {
+        let s = stack.status().ok()?;
+        match check(&s) {
+            Ok(()) => Some(()),
+            Err(e) => {
+                last = e;
+                None
+            }
+        }
+    });
+    assert!(done.is_some(), "pages did not move as {moved:?}: {last}");
+}
+
+/// The RDMA device named by `KVFENCE_RDMA_DEVICE` (GID index `KVFENCE_RDMA_GID_INDEX`,
+/// default 1) and the address its page server listens on, `KVFENCE_RDMA_ADDR` (the
+/// device's IPv4 address): `None` after saying SKIPPED when no device is configured.
+/// tests/vm/rxe.sh runs the tests that use it on soft-RoCE.
+pub fn rdma_device() -> Option<(String, u32, String)> {
+    let Ok(device) = std::env::var("KVFENCE_RDMA_DEVICE") else {
+        eprintln!("SKIPPED: no RDMA device (set KVFENCE_RDMA_DEVICE)");
+        return None;
+    };
+    let gid = std::env::var("KVFENCE_RDMA_GID_INDEX").map_or(1, |g| g.parse().expect("GID index"));
+    let addr = std::env::var("KVFENCE_RDMA_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
+    Some((device, gid, addr))
+}
+
+/// The RDMA transport on [`rdma_device`]'s device.
+///
+/// # Panics
+/// If no device is configured (callers check [`rdma_device`] first).
+pub fn rdma(config: &mut Config) {
+    let (device, gid_index, addr) = rdma_device().expect("an RDMA device");
+    config.transfer = Transfer {
+        transport: TransportKind::Rdma,
+        listen: Some(format!("{addr}:0")),
+    };
+    let mut r = libkv::config::RdmaConfig::for_device(device);
+    r.gid_index = gid_index;
+    config.rdma = Some(r);
 }
 
 /// A prompt of `len` bytes (tokens) for `tenant`, starting with the tenant's secret.

@@ -9,11 +9,11 @@
 use kvctld::client::{Client, ClientError, GenerateOutcome, REPLY_SLACK, exit};
 use kvctld::stack::{Daemon, Stack, StackOptions, error_chain, wait_until};
 use kvfence_tests::{
-    LogsOnPanic, assert_matches, bin_dir, expected, model, prompt, role_counter, tcp,
-    worker_counter,
+    LogsOnPanic, Moved, assert_matches, assert_transport, bin_dir, expected, model, prompt, rdma,
+    rdma_device, tcp, worker_counter,
 };
 use libkv::config::{Config, Transfer, TransportKind};
-use libkv::proto::{ErrorCode, Role, StatusReply, Transport};
+use libkv::proto::{ErrorCode, Role, StatusReply};
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
@@ -73,87 +73,6 @@ fn assert_pools_drain(stack: &Stack, within: Duration) {
         "pages still held {within:?} after the requests ended: {:#?}",
         last.map(|s| s.workers)
     );
-}
-
-/// How the pages moved.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Moved {
-    /// Shared memory: prefilld's page server served nothing.
-    Shm,
-    /// Over TCP: pages served, no RDMA session.
-    Tcp,
-    /// With RDMA reads: pages served through windows, every window invalidated.
-    Rdma,
-}
-
-/// Fails unless the prefill workers' counters say the pages moved as `moved` says. A
-/// worker reports its counters after the fact (prefilld once the pages it served are
-/// released), so the counters are waited for, bounded, never read once.
-fn assert_transport(stack: &Stack, moved: Moved) {
-    let want = match moved {
-        Moved::Shm => Transport::Shm,
-        Moved::Tcp => Transport::Tcp,
-        Moved::Rdma => Transport::Rdma,
-    };
-    let check = |s: &StatusReply| -> Result<(), String> {
-        let get = |name: &str| role_counter(s, Role::Prefill, name);
-        let served = get("pages_served");
-        let (sessions, bound, revoked) = (
-            get("rdma_sessions"),
-            get("windows_bound"),
-            get("windows_revoked"),
-        );
-        let what = format!(
-            "{served} pages served, {sessions} RDMA sessions, {bound} windows bound, \
-             {revoked} invalidated"
-        );
-        if s.transport != Some(want) {
-            return Err(format!("kvctld reports the transport {:?}", s.transport));
-        }
-        let ok = match moved {
-            Moved::Shm => served == 0,
-            Moved::Tcp => served > 0 && sessions == 0,
-            Moved::Rdma => served > 0 && sessions > 0 && bound > 0 && bound == revoked,
-        };
-        if ok { Ok(()) } else { Err(what) }
-    };
-    let mut last = String::new();
-    let done = wait_until(Duration::from_secs(10), || {
-        let s = stack.status().ok()?;
-        match check(&s) {
-            Ok(()) => Some(()),
-            Err(e) => {
-                last = e;
-                None
-            }
-        }
-    });
-    assert!(done.is_some(), "pages did not move as {moved:?}: {last}");
-}
-
-/// The RDMA transport on the device of `KVFENCE_RDMA_DEVICE` (GID index
-/// `KVFENCE_RDMA_GID_INDEX`, default 1), its page server on `KVFENCE_RDMA_ADDR` (the
-/// device's IPv4 address): `None` after saying SKIPPED when no device is configured.
-/// tests/vm/rxe.sh runs these tests on soft-RoCE.
-fn rdma_device() -> Option<(String, u32, String)> {
-    let Ok(device) = std::env::var("KVFENCE_RDMA_DEVICE") else {
-        eprintln!("SKIPPED: no RDMA device (set KVFENCE_RDMA_DEVICE)");
-        return None;
-    };
-    let gid = std::env::var("KVFENCE_RDMA_GID_INDEX").map_or(1, |g| g.parse().expect("GID index"));
-    let addr = std::env::var("KVFENCE_RDMA_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
-    Some((device, gid, addr))
-}
-
-fn rdma(config: &mut Config) {
-    let (device, gid_index, addr) = rdma_device().expect("an RDMA device");
-    config.transfer = Transfer {
-        transport: TransportKind::Rdma,
-        listen: Some(format!("{addr}:0")),
-    };
-    let mut r = libkv::config::RdmaConfig::for_device(device);
-    r.gid_index = gid_index;
-    config.rdma = Some(r);
 }
 
 #[test]

@@ -10,9 +10,12 @@
 # the guest (`-nic none`: no network at all), and runs the binary with KVFENCE_RDMA_DEVICE=rxe0
 # (see tests/vm/rxe-guest.sh and rxe-up.sh; the boot itself is in rxe-lib.sh).
 #
-# Usage: tests/vm/rxe.sh [--no-build] [--no-setup]
+# Usage: tests/vm/rxe.sh [--no-build] [--no-setup] [--model]
 #   --no-build  use the binaries cargo built last
 #   --no-setup  do not run tests/vm/setup.sh --rxe (the cache must be ready)
+#   --model     instead: the real model (SmolLM2-135M, scripts/fetch-model) through the stack
+#               over RDMA, every prompt against the monolithic path (tests/tests/real_model.rs);
+#               slow under TCG, so not part of the default run (4 GiB, 2400 s by default)
 # Env: KVFENCE_VM_CACHE (default ~/.cache/kvfence-vm), KVFENCE_VM_TIMEOUT (whole VM, s, 300),
 #      KVFENCE_VM_MEM (MiB, 1024), KVFENCE_VM_CPUS (2), KVFENCE_VM_ACCEL (tcg | kvm: only where
 #      /dev/kvm is real VMX/SVM), KVFENCE_VM_KEEP=1 (keep the results directory on success),
@@ -27,11 +30,13 @@ tag=rxe
 . "$here/rxe-lib.sh"
 build=1
 setup=1
+model=0
 for a in "$@"; do
   case $a in
     --no-build) build=0 ;;
     --no-setup) setup=0 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    --model) model=1 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "rxe: unknown argument $a" >&2; exit 1 ;;
   esac
 done
@@ -54,23 +59,37 @@ if [ "$build" = 1 ]; then
   (cd "$root" && timeout 1800 cargo build --release --locked --bins --features libkv/rdma) \
     || { echo "rxe: FAIL: cannot build the daemons" >&2; exit 1; }
 fi
-verbs=$(test_binary rdma -p libkv --test rdma)
-pages=$(test_binary prefilld -p prefilld --lib)
-stack=$(test_binary stack -p kvfence-tests --test stack)
-netfaults=$(test_binary netfaults -p kvfence-tests --test netfaults)
-for b in "$verbs" "$pages" "$stack" "$netfaults"; do
+if [ "$model" = 1 ]; then
+  # the guest runs as root with HOME=/root and sees the host's files where they are
+  [ -f "$(cd "$root" && scripts/fetch-model 2>/dev/null)" ] \
+    || { echo "rxe: FAIL: no model file: run scripts/fetch-model" >&2; exit 1; }
+  real=$(test_binary real_model -p kvfence-tests --test real_model)
+  binaries=("$real")
+else
+  verbs=$(test_binary rdma -p libkv --test rdma)
+  pages=$(test_binary prefilld -p prefilld --lib)
+  stack=$(test_binary stack -p kvfence-tests --test stack)
+  netfaults=$(test_binary netfaults -p kvfence-tests --test netfaults)
+  binaries=("$verbs" "$pages" "$stack" "$netfaults")
+fi
+for b in "${binaries[@]}"; do
   [ -x "${b:-/nonexistent}" ] || { echo "rxe: FAIL: cannot build or find the RDMA test binaries" >&2; exit 1; }
 done
 tb=$SECONDS
 
 out=$(mktemp -d -t kvfence-rxe.XXXXXX)
 # one line per test binary: the binary, then its test filter
-{
-  echo "$verbs"
-  echo "$pages pageserver::tests::rdma::"
-  echo "$stack rdma"
-  echo "$netfaults"
-} > "$out/test-binaries"
+if [ "$model" = 1 ]; then
+  echo "$real over_rdma" > "$out/test-binaries"
+  export KVFENCE_VM_MEM=${KVFENCE_VM_MEM:-4096} KVFENCE_VM_TIMEOUT=${KVFENCE_VM_TIMEOUT:-2400}
+else
+  {
+    echo "$verbs"
+    echo "$pages pageserver::tests::rdma::"
+    echo "$stack rdma"
+    echo "$netfaults"
+  } > "$out/test-binaries"
+fi
 # the guest starts with an empty environment: the rounds of the network fault campaign go in
 # a file (KVFENCE_NETFAULT_ROUNDS: the long run in the README)
 [ -n "${KVFENCE_NETFAULT_ROUNDS:-}" ] && echo "$KVFENCE_NETFAULT_ROUNDS" > "$out/netfault-rounds"
