@@ -13,10 +13,12 @@
 //! registers it stored: the folding runs faster than memory delivers the bytes, so a copy
 //! out of memory costs hardly more with its digest than without, and the digest is of the
 //! bytes as they were written to the destination even if the source changes during the
-//! copy. Into a destination aligned to 32 bytes (every pool page) the stores are streaming
-//! ones: they write whole cache lines without first reading them in, as a large memcpy does
-//! (`rep movsb`), so the copy moves two bytes of memory per byte instead of three. Nothing
-//! reads the destination back for the digest, so it need not stay in the cache.
+//! copy. Into a destination aligned to the register's width (32 or 64 bytes; every pool
+//! page is) the stores are streaming ones: they write whole cache lines without first
+//! reading them in, as a very large memcpy does, so the copy moves two bytes of memory per
+//! byte instead of three. Nothing reads the destination back for the digest, so it need not
+//! stay in the cache. Streaming stores are weakly ordered: [`Crc32c::copy_unfenced`] leaves
+//! the [`store_fence`] to its caller, who makes one per page rather than per piece.
 //!
 //! The folding is the standard one for a reflected CRC: a 128-bit lane `X` that stands for
 //! the bits `F` bits before the end of what has been absorbed is replaced by
