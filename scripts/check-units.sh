@@ -89,8 +89,9 @@ exposure openaid.service "$api_max" || fail=1
 # 3. sysusers.d and tmpfiles.d snippets, applied to an empty root.
 # (systemd-sysusers reports the accounts it creates on stderr: not a failure.)
 if timeout 60 systemd-sysusers --root="$work/root" "$PWD/systemd/kvfence.sysusers" 2> "$work/sysusers.err" \
-  && grep -q '^kvfence:' "$work/root/etc/passwd" && grep -q '^kvfence:' "$work/root/etc/group"; then
-  echo "check-units: sysusers snippet creates user and group kvfence"
+  && grep -q '^kvfence:' "$work/root/etc/passwd" && grep -q '^kvfence:' "$work/root/etc/group" \
+  && grep -q '^kvfence-openai:' "$work/root/etc/passwd"; then
+  echo "check-units: sysusers snippet creates user and group kvfence, user kvfence-openai"
 else
   echo "check-units: FAIL: systemd-sysusers systemd/kvfence.sysusers:" >&2
   cat "$work/sysusers.err" >&2

@@ -61,6 +61,9 @@ if [ "$purge" = 1 ]; then
   rm -rf "$d/etc/kvfence" "$d/var/lib/kvfence" "$d/run/kvfence"
   if [ "$live" = 1 ] && getent passwd kvfence >/dev/null; then
     userdel kvfence 2>/dev/null || echo "uninstall: could not delete user kvfence" >&2
+    if getent passwd kvfence-openai >/dev/null; then
+      userdel kvfence-openai 2>/dev/null || echo "uninstall: could not delete user kvfence-openai" >&2
+    fi
     getent group kvfence >/dev/null && { groupdel kvfence 2>/dev/null || true; }
   fi
   echo "uninstall: purged configuration, state and the kvfence account"

@@ -398,7 +398,8 @@ pub struct Limits {
 pub struct Control {
     /// Path of the control socket.
     pub socket: PathBuf,
-    /// Peer uids allowed to connect besides the daemon's own uid and root.
+    /// Peer uids allowed to connect besides the daemon's own uid, root and peers whose
+    /// primary group is the daemon's own.
     pub allowed_uids: Vec<u32>,
     /// Peer gids allowed to connect.
     pub allowed_gids: Vec<u32>,

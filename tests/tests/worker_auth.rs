@@ -1,9 +1,10 @@
 //! Being allowed to connect is not being allowed to be a worker.
 //!
 //! A worker sees every tenant's prompts (PrefillRun) or a map of the whole prefill pool
-//! (PrefillPool). A uid in `[control] allowed_uids` may run requests, but only kvctld's own
-//! uid, root and `[control] worker_uids` may register as a worker, even while the real
-//! worker's slot is empty.
+//! (PrefillPool). A uid in `[control] allowed_uids`, or a peer running with kvctld's own
+//! group (openaid's unit: its own user, `Group=kvfence`), may run requests, but only
+//! kvctld's own uid, root and `[control] worker_uids` may register as a worker, even while
+//! the real worker's slot is empty.
 
 use kvctld::stack::{Daemon, Stack, StackOptions, default_bin_dir, wait_until, worker_connected};
 use libkv::RequestId;
@@ -41,6 +42,19 @@ fn impostor() {
 
 #[test]
 fn an_allowed_client_cannot_become_a_worker() {
+    client_cannot_become_a_worker(|c| c.control.allowed_uids = vec![NOBODY], NOBODY);
+}
+
+/// No uid or gid listed: uid 65534 with kvctld's own group as its primary group is a
+/// client (as openaid's unit runs), and still no worker.
+#[test]
+fn a_peer_of_kvctlds_own_group_is_a_client_and_no_worker() {
+    client_cannot_become_a_worker(|_| {}, nix::unistd::getegid().as_raw());
+}
+
+/// uid 65534 with primary group `gid`, allowed as a client by `allow`: it is served, and
+/// cannot take the prefill worker's empty slot.
+fn client_cannot_become_a_worker(allow: impl FnOnce(&mut Config), gid: u32) {
     if !nix::unistd::geteuid().is_root() {
         eprintln!("SKIPPED: needs root to run a peer as uid {NOBODY}");
         return;
@@ -50,7 +64,7 @@ fn an_allowed_client_cannot_become_a_worker() {
         .tempdir_in("/tmp")
         .unwrap();
     let mut cfg = Config::embedded_default(dir.path().join("ctl.sock"));
-    cfg.control.allowed_uids = vec![NOBODY];
+    allow(&mut cfg);
     let mut stack = Stack::start(StackOptions::new(cfg, dir.path().join("stack")).unwrap())
         .unwrap_or_else(|e| panic!("{}", kvctld::stack::error_chain(&e)));
     let chmod = |p: &Path, mode| {
@@ -73,7 +87,7 @@ fn an_allowed_client_cannot_become_a_worker() {
         .arg(stack.socket())
         .args(["generate", "--tenant", "nobody", "--max-new", "5", "hello"])
         .uid(NOBODY)
-        .gid(NOBODY)
+        .gid(gid)
         .output()
         .unwrap();
     assert_eq!(
@@ -97,7 +111,7 @@ fn an_allowed_client_cannot_become_a_worker() {
         .args(["--exact", "impostor", "--ignored", "--nocapture"])
         .env("KVFENCE_IMPOSTOR_SOCKET", stack.socket())
         .uid(NOBODY)
-        .gid(NOBODY)
+        .gid(gid)
         .output()
         .unwrap();
     assert!(

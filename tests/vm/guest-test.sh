@@ -235,6 +235,11 @@ openai_endpoint() {
   local reply
   timeout 60 systemctl start openaid.service || { show openaid.service; return 1; }
   is_state openaid.service active || { show openaid.service; return 2; }
+  # its own user with the kvfence group: a client of kvctld, never a worker
+  local pid ids; pid=$(systemctl show -P MainPID openaid.service)
+  ids=$(awk '/^Uid:/ { u = $2 } /^Gid:/ { g = $2 } END { print u ":" g }' "/proc/$pid/status")
+  [ "$ids" = "$(id -u kvfence-openai):$(getent group kvfence | cut -d: -f3)" ] \
+    || { echo "openaid runs as uid:gid $ids"; return 7; }
   reply=$(timeout 10 bash -c 'exec 3<>/dev/tcp/127.0.0.1/8000
     printf "GET /health HTTP/1.0\r\nHost: kvfence\r\n\r\n" >&3; cat <&3') || { show openaid.service; return 3; }
   echo "$reply"

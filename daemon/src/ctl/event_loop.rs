@@ -100,6 +100,8 @@ pub struct EventLoop {
     conns: Slab<Conn>,
     core: Core,
     own_uid: u32,
+    /// kvctld's own (effective) group: the control socket's group where none is configured.
+    own_gid: u32,
     unauthorized: u64,
     probe: Arc<ProbeCounters>,
     /// Connections open per peer uid.
@@ -168,6 +170,7 @@ impl EventLoop {
             conns: Slab::new(),
             core,
             own_uid: nix::unistd::geteuid().as_raw(),
+            own_gid: nix::unistd::getegid().as_raw(),
             unauthorized: 0,
             probe,
             per_uid: HashMap::new(),
@@ -302,10 +305,15 @@ impl EventLoop {
 
     // ---- connections -------------------------------------------------------------------
 
+    /// Who may connect as a client: root, kvctld's own uid, a peer whose primary group is
+    /// kvctld's own (a service run with `Group=kvfence` under a user of its own, such as
+    /// openaid), and the configured uids and gids. Only `may_be_worker` decides who may
+    /// register as a worker.
     fn allowed(&self, uid: u32, gid: u32) -> bool {
         let c = &self.cfg.control;
         uid == 0
             || uid == self.own_uid
+            || gid == self.own_gid
             || c.allowed_uids.contains(&uid)
             || c.allowed_gids.contains(&gid)
     }
