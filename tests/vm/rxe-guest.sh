@@ -10,6 +10,7 @@ export KVFENCE_RDMA_DEVICE=rxe0 KVFENCE_RDMA_GID_INDEX=$gid KVFENCE_RDMA_ADDR=$a
 # the guest kernel has sch_netem: the network fault campaign must not skip its netem faults
 export KVFENCE_NETEM_REQUIRED=1
 [ -f "$out/netfault-rounds" ] && KVFENCE_NETFAULT_ROUNDS=$(cat "$out/netfault-rounds") && export KVFENCE_NETFAULT_ROUNDS
+[ -f "$out/model-path" ] && KVFENCE_MODEL=$(cat "$out/model-path") && export KVFENCE_MODEL
 failed=0
 while read -r bin filter; do
   echo "rxe-guest: running $(basename "$bin") ${filter:-(all tests)}"

@@ -60,9 +60,10 @@ if [ "$build" = 1 ]; then
     || { echo "rxe: FAIL: cannot build the daemons" >&2; exit 1; }
 fi
 if [ "$model" = 1 ]; then
-  # the guest runs as root with HOME=/root and sees the host's files where they are
-  [ -f "$(cd "$root" && scripts/fetch-model 2>/dev/null)" ] \
-    || { echo "rxe: FAIL: no model file: run scripts/fetch-model" >&2; exit 1; }
+  # fetches the model unless it is there (its path honours $KVFENCE_MODEL); the guest sees
+  # the host's files where they are, and is told the path (it starts with no environment)
+  model_path=$(cd "$root" && scripts/fetch-model) \
+    || { echo "rxe: FAIL: no model file (scripts/fetch-model failed)" >&2; exit 1; }
   real=$(test_binary real_model -p kvfence-tests --test real_model)
   binaries=("$real")
 else
@@ -81,6 +82,7 @@ out=$(mktemp -d -t kvfence-rxe.XXXXXX)
 # one line per test binary: the binary, then its test filter
 if [ "$model" = 1 ]; then
   echo "$real over_rdma" > "$out/test-binaries"
+  echo "$model_path" > "$out/model-path"
   export KVFENCE_VM_MEM=${KVFENCE_VM_MEM:-4096} KVFENCE_VM_TIMEOUT=${KVFENCE_VM_TIMEOUT:-2400}
 else
   {

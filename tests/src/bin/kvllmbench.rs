@@ -127,6 +127,11 @@ fn runner(threads: usize, prompt_len: usize, decode: u32, rounds: u32) -> Result
 
 fn layout(context: usize, rounds: usize) -> Result<(), String> {
     use llama::layout::{EngineBlocks, PageOrder, attend, to_engine, write_token};
+    if context == 0 || rounds == 0 {
+        return Err(format!(
+            "--context and --rounds must be at least 1 (got {context} and {rounds})"
+        ));
+    }
     // SmolLM2-135M: 30 layers, 9 query heads over 3 KV heads of 64 dimensions; 16 bf16
     // tokens per page, as the stack runs it.
     let g = PageGeometry {
