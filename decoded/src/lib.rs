@@ -124,7 +124,7 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
         transports.push(Transport::Rdma);
     }
     let register = start.registration(transports, None);
-    let link = start.link(&cfg, register);
+    let link = start.link(&cfg, register)?;
     let Startup {
         model,
         pool,

@@ -84,6 +84,9 @@ impl fmt::Display for Side {
 /// the whole chain once and exits.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    #[error("[tls]: {reason}")]
+    BadTls { reason: String },
+
     #[error("cannot read configuration file {}", path.display())]
     Read {
         path: PathBuf,
@@ -274,6 +277,120 @@ pub struct Config {
     /// openaid, the OpenAI-compatible HTTP endpoint (kvctld and the workers ignore it).
     #[serde(default)]
     pub openai: OpenAi,
+    /// kvctld over TCP with mutual TLS, for peers on other hosts; off unless set.
+    #[serde(default)]
+    pub tls: Tls,
+}
+
+/// The `[tls]` section: kvctld's control channel over TCP with mutual TLS, beside the Unix
+/// socket. kvctld listens on `listen`; a worker, kvctl or openaid with `connect` set reaches
+/// kvctld there instead of at `control.socket`. Every peer presents a certificate signed by
+/// `ca`, and kvctld presents one too. A peer's identity is the first name of `workers`, then
+/// of `clients`, that its certificate is valid for (a DNS name of its subject alternative
+/// names): a name of `workers` may register as a worker (and drain), one of `clients` may
+/// only submit requests and read status; a certificate valid for neither is turned away.
+/// Shared-memory pools cannot cross TLS (no descriptor travels): peers on TLS use the TCP
+/// or RDMA transport.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Tls {
+    /// `IP:PORT` kvctld listens on (kvctld only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub listen: Option<String>,
+    /// `HOST:PORT` where this peer reaches kvctld (workers, kvctl, openaid).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub connect: Option<String>,
+    /// The name kvctld's certificate must be valid for; the host of `connect` by default.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_name: Option<String>,
+    /// This peer's certificate chain (PEM).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cert: Option<PathBuf>,
+    /// This peer's private key (PEM; PKCS#8, PKCS#1 or SEC1), readable by its daemon only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key: Option<PathBuf>,
+    /// The certificate authority every peer's certificate must chain to (PEM).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ca: Option<PathBuf>,
+    /// Certificate names that may register as workers (kvctld only).
+    pub workers: Vec<String>,
+    /// Certificate names that may connect as clients (kvctld only).
+    pub clients: Vec<String>,
+}
+
+impl Tls {
+    /// Whether kvctld listens for TLS peers or this peer connects over TLS.
+    pub fn enabled(&self) -> bool {
+        self.listen.is_some() || self.connect.is_some()
+    }
+
+    /// The address kvctld listens on, or `None` when TLS is off.
+    pub fn listen_addr(&self) -> Result<Option<SocketAddr>, ConfigError> {
+        let bad = |reason: String| ConfigError::BadTls { reason };
+        match &self.listen {
+            None => Ok(None),
+            Some(text) => match text.parse::<SocketAddr>() {
+                Ok(addr) if !addr.ip().is_multicast() => Ok(Some(addr)),
+                _ => Err(bad(format!("listen = {text:?} is not an IP:PORT"))),
+            },
+        }
+    }
+
+    /// The name kvctld's certificate is checked against: `server_name`, or the host part
+    /// of `connect`.
+    pub fn server_name(&self) -> Option<String> {
+        if let Some(n) = &self.server_name {
+            return Some(n.clone());
+        }
+        let connect = self.connect.as_deref()?;
+        let host = match connect.rsplit_once(':') {
+            Some((host, _)) => host,
+            None => connect,
+        };
+        Some(
+            host.trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_owned(),
+        )
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |reason: String| ConfigError::BadTls { reason };
+        self.listen_addr()?;
+        if let Some(c) = &self.connect {
+            match c.rsplit_once(':') {
+                Some((host, port))
+                    if !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0) => {}
+                _ => return Err(bad(format!("connect = {c:?} is not a HOST:PORT"))),
+            }
+        }
+        if !self.enabled() {
+            return Ok(());
+        }
+        for (key, v) in [("cert", &self.cert), ("key", &self.key), ("ca", &self.ca)] {
+            if v.is_none() {
+                return Err(bad(format!(
+                    "`{key}` is required with `listen` or `connect` (mutual TLS: every peer \
+                     presents a certificate)"
+                )));
+            }
+        }
+        if self.listen.is_some() && self.workers.is_empty() && self.clients.is_empty() {
+            return Err(bad(
+                "`listen` without `workers` or `clients` would let no certificate in".into(),
+            ));
+        }
+        for name in self.workers.iter().chain(&self.clients) {
+            if rustls_pki_types::ServerName::try_from(name.as_str()).is_err()
+                || name.parse::<std::net::IpAddr>().is_ok()
+            {
+                return Err(bad(format!(
+                    "{name:?} in `workers` or `clients` is not a DNS name"
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The `[openai]` section: where openaid, the OpenAI-compatible HTTP endpoint, listens and
@@ -863,6 +980,7 @@ impl Config {
             metrics: Metrics::default(),
             model: ModelConfig::default(),
             openai: OpenAi::default(),
+            tls: Tls::default(),
         }
     }
 
@@ -923,6 +1041,7 @@ impl Config {
         }
         self.metrics.listen_addr()?;
         self.openai.validate()?;
+        self.tls.validate()?;
         self.transfer.listen_addr().map(drop)
     }
 
@@ -1120,6 +1239,35 @@ mod tests {
             got, want,
             "kvfence.example.toml must set and document every key"
         );
+    }
+
+    #[test]
+    fn tls_needs_its_files_and_dns_names() {
+        let base = minimal(16, 4096, 256, 1024, 1024);
+        let with = |tls: &str| Config::from_toml_str(&format!("{base}\n[tls]\n{tls}\n"));
+        let files = "cert = \"/c.pem\"\nkey = \"/c.key\"\nca = \"/ca.pem\"";
+        let err = |tls: &str| with(tls).unwrap_err().to_string();
+        assert!(err("listen = \"192.0.2.1:7443\"\nworkers = [\"a.example\"]").contains("`cert`"));
+        assert!(err("connect = \"kvctld:7443\"\ncert = \"/c\"\nkey = \"/k\"").contains("`ca`"));
+        assert!(
+            err(&format!("listen = \"192.0.2.1:7443\"\n{files}")).contains("let no certificate in")
+        );
+        assert!(
+            err(&format!(
+                "listen = \"192.0.2.1:7443\"\n{files}\nworkers = [\"192.0.2.9\"]"
+            ))
+            .contains("not a DNS name")
+        );
+        assert!(err(&format!("listen = \"kvctld:7443\"\n{files}")).contains("IP:PORT"));
+        assert!(err(&format!("connect = \"kvctld\"\n{files}")).contains("HOST:PORT"));
+        let c = with(&format!("connect = \"kvctld.example:7443\"\n{files}")).unwrap();
+        assert_eq!(c.tls.server_name().as_deref(), Some("kvctld.example"));
+        let c = with(&format!(
+            "listen = \"192.0.2.1:0\"\n{files}\nworkers = [\"prefill-0.example\"]"
+        ))
+        .unwrap();
+        assert!(c.tls.enabled());
+        assert!(!Config::from_toml_str(&base).unwrap().tls.enabled());
     }
 
     #[test]

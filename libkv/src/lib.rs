@@ -22,6 +22,7 @@ pub mod sys;
 pub mod tcp;
 #[cfg(feature = "testkit")]
 pub mod testkit;
+pub mod tls;
 pub mod verify;
 pub mod worker;
 

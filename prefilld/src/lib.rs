@@ -131,7 +131,7 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
         (None, _) => vec![Transport::Shm],
     };
     let register = start.registration(transports, endpoint);
-    let link = start.link(&cfg, register);
+    let link = start.link(&cfg, register)?;
     let Startup {
         model,
         pool,

@@ -248,6 +248,8 @@ struct Conn {
 #[derive(Debug)]
 pub struct Link {
     socket: PathBuf,
+    /// Reaches kvctld over mutual TLS instead of `socket` (`[tls] connect`).
+    tls: Option<crate::tls::Connector>,
     register: RegisterWorker,
     /// Attached (as a duplicate) to every `RegisterWorker`: prefill's read-only pool fd.
     register_fd: Option<OwnedFd>,
@@ -269,12 +271,18 @@ pub struct Link {
 }
 
 impl Link {
-    /// A link that will connect to `cfg`'s control socket and register with `register`
-    /// (attaching a duplicate of `register_fd`, if any). The handshake must finish within
-    /// `deadlines.bootstrap`; a graceful stop waits at most `deadlines.drain`.
-    pub fn new(cfg: &Config, register: RegisterWorker, register_fd: Option<OwnedFd>) -> Link {
+    /// A link that will connect to `cfg`'s control socket, or through `tls`, and register
+    /// with `register` (attaching a duplicate of `register_fd`, if any). The handshake must
+    /// finish within `deadlines.bootstrap`; a graceful stop waits at most `deadlines.drain`.
+    pub fn new(
+        cfg: &Config,
+        register: RegisterWorker,
+        register_fd: Option<OwnedFd>,
+        tls: Option<crate::tls::Connector>,
+    ) -> Link {
         Link {
             socket: cfg.control.socket.clone(),
+            tls,
             register,
             register_fd,
             handshake_timeout: cfg.deadlines.bootstrap(),
@@ -289,6 +297,14 @@ impl Link {
             frames_received: 0,
             last_report: None,
             metrics: None,
+        }
+    }
+
+    /// Where kvctld is reached, for messages.
+    fn place(&self) -> String {
+        match &self.tls {
+            Some(t) => format!("tls://{}", t.addr()),
+            None => self.socket.display().to_string(),
         }
     }
 
@@ -435,13 +451,25 @@ impl Link {
 
     fn connect(&mut self, registry: &Registry) {
         let now = Instant::now();
-        let mut stream = match UnixStream::connect(&self.socket) {
+        let connected = match &self.tls {
+            None => UnixStream::connect(&self.socket).map_err(|e| e.to_string()),
+            // The TLS handshake blocks this loop for at most the handshake deadline; only
+            // while kvctld is out of reach, when no request can be running anyway.
+            Some(tls) => tls
+                .connect(self.handshake_timeout)
+                .map_err(|e| e.to_string())
+                .and_then(|s| {
+                    s.set_nonblocking(true).map_err(|e| e.to_string())?;
+                    Ok(UnixStream::from_std(s))
+                }),
+        };
+        let mut stream = match connected {
             Ok(s) => s,
             Err(e) => {
                 let delay = self.backoff.next_delay();
                 debug!(
                     "kvctld at {} not reachable ({e}); retrying in {} ms",
-                    self.socket.display(),
+                    self.place(),
                     delay.as_millis()
                 );
                 self.stage = Stage::Down {
@@ -458,7 +486,7 @@ impl Link {
             };
             return;
         }
-        debug!("connected to kvctld at {}", self.socket.display());
+        debug!("connected to kvctld at {}", self.place());
         self.conn = Some(Conn {
             stream,
             reader: FrameReader::new(),

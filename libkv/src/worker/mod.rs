@@ -38,6 +38,9 @@ pub const EXIT_CONFIG: u8 = 2;
 /// Why a worker stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
+    /// `[tls]` is set and its files cannot be used.
+    #[error("reaching kvctld over TLS")]
+    Tls(#[source] crate::tls::TlsError),
     /// The configured pool backend is not compiled in.
     #[error(
         "backend {backend} is not available in this build ([{side}] backend = \"{backend}\"); \
@@ -116,7 +119,8 @@ impl WorkerError {
             | WorkerError::Model(_)
             | WorkerError::ModelLoad(_)
             | WorkerError::Transfer(_)
-            | WorkerError::MetricsListen(_) => true,
+            | WorkerError::MetricsListen(_)
+            | WorkerError::Tls(_) => true,
             WorkerError::Rdma(e) => e.is_config(),
             WorkerError::Link(e) => e.is_config(),
             WorkerError::Memory { .. }
@@ -397,12 +401,15 @@ impl Startup {
 
     /// The link to kvctld that registers with `register` (attaching the read-only pool fd,
     /// if this worker has one) and publishes to the worker's `/metrics`, when it is on.
-    pub fn link(&mut self, cfg: &Config, register: RegisterWorker) -> Link {
-        let mut link = Link::new(cfg, register, self.read_only_fd.take());
+    /// Over TLS when `[tls] connect` is set: its certificate, key and CA are read now, so
+    /// that a worker whose files are missing or wrong refuses to start.
+    pub fn link(&mut self, cfg: &Config, register: RegisterWorker) -> Result<Link, WorkerError> {
+        let tls = crate::tls::Connector::from_config(&cfg.tls).map_err(WorkerError::Tls)?;
+        let mut link = Link::new(cfg, register, self.read_only_fd.take(), tls);
         if let Some(board) = self.metrics.take() {
             link.publish_to(board, cfg);
         }
-        link
+        Ok(link)
     }
 
     /// The `RegisterWorker` of this worker: its id, role, geometry and pool size, with the
