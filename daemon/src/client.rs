@@ -13,7 +13,7 @@
 //! Every failure is a [`ClientError`], whose [`ClientError::exit_code`] is the exit status
 //! `kvctl` returns (see [`exit`]).
 
-use libkv::config::Deadlines;
+use libkv::config::{Config, Deadlines};
 use libkv::proto::{
     Done, Drain, ErrorCode, Hello, Message, MsgType, ProtoError, Role, Sampling, StatusQuery,
     StatusReply, Submit, WorkerStatus,
@@ -248,15 +248,87 @@ impl Canceller {
     }
 }
 
+/// Where a client reaches kvctld: its control socket, or over mutual TLS.
+#[derive(Clone, Debug)]
+pub enum Endpoint {
+    Socket(PathBuf),
+    Tls(libkv::tls::Connector),
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Endpoint::Socket(path) => write!(f, "{}", path.display()),
+            Endpoint::Tls(c) => write!(f, "tls://{}", c.addr()),
+        }
+    }
+}
+
+impl Endpoint {
+    /// Over TLS when `[tls] connect` is set, else `[control] socket`.
+    pub fn from_config(cfg: &Config) -> Result<Endpoint, ClientError> {
+        match libkv::tls::Connector::from_config(&cfg.tls) {
+            Ok(Some(c)) => Ok(Endpoint::Tls(c)),
+            Ok(None) => Ok(Endpoint::Socket(cfg.control.socket.clone())),
+            Err(e) => Err(ClientError::Connect {
+                path: PathBuf::from(format!(
+                    "tls://{}",
+                    cfg.tls.connect.as_deref().unwrap_or_default()
+                )),
+                source: io::Error::other(e),
+            }),
+        }
+    }
+
+    /// Connects and says `Hello` ([`Client::connect`], [`Client::connect_tls`]).
+    pub fn connect(&self, timeout: Duration) -> Result<Client, ClientError> {
+        match self {
+            Endpoint::Socket(path) => Client::connect(path, timeout),
+            Endpoint::Tls(c) => Client::connect_tls(c, timeout),
+        }
+    }
+}
+
 impl Client {
     /// Connects to kvctld at `socket`, says `Hello { role: Client }` and waits for
     /// `HelloAck`. `timeout` bounds the handshake and every later status query.
     pub fn connect(socket: &Path, timeout: Duration) -> Result<Client, ClientError> {
+        let stream = connect_within(socket, timeout).map_err(|source| ClientError::Connect {
+            path: socket.to_path_buf(),
+            source,
+        })?;
+        Client::handshake(stream, socket, timeout)
+    }
+
+    /// Connects to kvctld over mutual TLS (`[tls] connect`), then as [`Client::connect`].
+    pub fn connect_tls(
+        connector: &libkv::tls::Connector,
+        timeout: Duration,
+    ) -> Result<Client, ClientError> {
+        let place = PathBuf::from(format!("tls://{}", connector.addr()));
+        let stream = connector
+            .connect(timeout)
+            .map_err(|e| ClientError::Connect {
+                path: place.clone(),
+                source: io::Error::other(e),
+            })?;
+        Client::handshake(stream, &place, timeout)
+    }
+
+    /// Connects where `cfg` says ([`Endpoint::from_config`]).
+    pub fn connect_configured(cfg: &Config, timeout: Duration) -> Result<Client, ClientError> {
+        Endpoint::from_config(cfg)?.connect(timeout)
+    }
+
+    fn handshake(
+        stream: UnixStream,
+        socket: &Path,
+        timeout: Duration,
+    ) -> Result<Client, ClientError> {
         let connect_err = |source| ClientError::Connect {
             path: socket.to_path_buf(),
             source,
         };
-        let stream = connect_within(socket, timeout).map_err(connect_err)?;
         // Bounds a send to a kvctld that stopped reading.
         stream
             .set_write_timeout(Some(timeout.max(Duration::from_millis(1))))

@@ -85,8 +85,9 @@ fn prepare(cfg: &Config) -> Result<Prepared, String> {
         .map_err(|e| libkv::error_chain(&e))?;
     let codec = llama::codec::Codec::from_model(&cfg.model).map_err(|e| libkv::error_chain(&e))?;
     let keys = cfg.openai.api_keys.as_deref().map(Keys::load).transpose()?;
+    let kvctld = kvctld::client::Endpoint::from_config(cfg).map_err(|e| libkv::error_chain(&e))?;
     let app = App::new(
-        cfg.control.socket.clone(),
+        kvctld,
         codec,
         cfg.limits.max_new_tokens,
         cfg.limits.max_context,
@@ -113,7 +114,7 @@ fn serve(p: Prepared) -> Result<(), String> {
             .map_err(|e| format!("the bound address: {e}"))?;
         log::info!(
             "openaid on http://{local} for kvctld at {}, model {}",
-            p.app.socket.display(),
+            p.app.kvctld,
             p.app.codec.model_id()
         );
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);

@@ -17,13 +17,12 @@ use axum::http::{HeaderMap, StatusCode, Uri, header};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
-use kvctld::client::{Canceller, Client, ClientError};
+use kvctld::client::{Canceller, ClientError, Endpoint};
 use libkv::proto::{MAX_TEMPERATURE_MILLI, Role, Sampling, Submit};
 use llama::codec::{Codec, TextStream};
 use serde_json::{Value, json};
 use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -41,8 +40,8 @@ const CHANNEL_DEPTH: usize = 64;
 /// Everything a request needs, shared by all of them.
 #[derive(Debug)]
 pub struct App {
-    /// kvctld's control socket.
-    pub socket: PathBuf,
+    /// Where kvctld is: its control socket, or over mutual TLS.
+    pub kvctld: Endpoint,
     /// The served model's tokenizer and chat template.
     pub codec: Codec,
     /// `max_tokens` of a chat request that names none: kvctld's `limits.max_new_tokens`.
@@ -66,7 +65,7 @@ pub struct App {
 impl App {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
-        socket: PathBuf,
+        kvctld: Endpoint,
         codec: Codec,
         default_chat_max_tokens: u32,
         max_context: u32,
@@ -76,7 +75,7 @@ impl App {
         max_requests: u32,
     ) -> App {
         App {
-            socket,
+            kvctld,
             codec,
             default_chat_max_tokens,
             max_context,
@@ -157,9 +156,9 @@ pub fn router(app: Arc<App>) -> Router {
 /// 200 when kvctld answers and has a prefill and a decode worker taking requests, running
 /// the model openaid tokenizes for; 503 naming what is missing otherwise.
 async fn health(State(app): State<Arc<App>>) -> Response {
-    let socket = app.socket.clone();
+    let kvctld = app.kvctld.clone();
     let status = tokio::task::spawn_blocking(move || {
-        Client::connect(&socket, CONNECT_TIMEOUT).and_then(|mut c| c.status())
+        kvctld.connect(CONNECT_TIMEOUT).and_then(|mut c| c.status())
     })
     .await;
     let unavailable = |reason: String| {
@@ -372,7 +371,7 @@ async fn run(
         sampling,
     };
     let (tx, mut rx) = mpsc::channel(CHANNEL_DEPTH);
-    let socket = app.socket.clone();
+    let kvctld = app.kvctld.clone();
     let deadline = app.request_deadline;
     let id = head.id.clone();
     let started = Instant::now();
@@ -393,7 +392,7 @@ async fn run(
     tokio::task::spawn_blocking(move || {
         let _permit = permit;
         let _finished = finished_tx;
-        let result = Client::connect(&socket, CONNECT_TIMEOUT).and_then(|mut client| {
+        let result = kvctld.connect(CONNECT_TIMEOUT).and_then(|mut client| {
             client.set_default_deadline(deadline);
             if let Ok(c) = client.canceller() {
                 let _ = canceller_tx.send(c);

@@ -2,10 +2,13 @@
 //! frames on the wire. The decisions are the core's ([`super::core`]): this loop turns
 //! readable sockets into core events and the core's [`Action`]s into frames.
 //!
-//! One mio loop: fixed tokens for the listener and the signals, connection tokens from a
-//! slab. A peer is authenticated at accept (SO_PEERCRED against the allow-lists); its
-//! `Hello` says its role, and only kvctld's own uid, root and `[control] worker_uids` may be
-//! a worker. Each connection has an [`Outbox`]; a peer that does not read its output is cut
+//! One mio loop: fixed tokens for the listener, the signals and the TLS waker, connection
+//! tokens from a slab. A peer is authenticated at accept: on the control socket by
+//! SO_PEERCRED against the allow-lists, on TLS (`[tls] listen`, [`libkv::tls`]) by the name
+//! its certificate is valid for. Its `Hello` says its role, and only kvctld's own uid, root,
+//! `[control] worker_uids` and certificates of `[tls] workers` may be a worker. A TLS peer
+//! arrives as a Unix stream from the TLS relay and is from then on a connection like any
+//! other. Each connection has an [`Outbox`]; a peer that does not read its output is cut
 //! off past [`MAX_OUTBOX_BYTES`], and one that says no `Hello` within the bootstrap deadline
 //! is dropped.
 //!
@@ -28,20 +31,23 @@ use libkv::proto::{self, ErrorCode, Hello, HelloAck, Message, Role};
 use libkv::sys::uds::{self, FrameReader, ReadOutcome};
 use log::{debug, info, warn};
 use mio::net::{UnixListener, UnixStream};
-use mio::{Events, Interest, Poll, Token};
+use mio::{Events, Interest, Poll, Token, Waker};
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook_mio::v1_0::Signals;
 use slab::Slab;
 use std::collections::HashMap;
 use std::fs::File;
 use std::io;
+use std::net::SocketAddr;
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 const LISTENER: Token = Token(0);
 const SIGNALS: Token = Token(1);
+/// The TLS relay has handed over connections ([`EventLoop::listen_tls`]).
+const TLS_PEERS: Token = Token(2);
 const FIRST_CONN: usize = 16;
 /// A peer that does not read its output is cut off past this much queued output.
 pub const MAX_OUTBOX_BYTES: usize = 16 << 20;
@@ -73,6 +79,57 @@ impl ProbeCounters {
     }
 }
 
+/// Who is at the other end of a connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Peer {
+    /// On the control socket: its credentials (SO_PEERCRED at accept).
+    Local { uid: u32, gid: u32 },
+    /// Over TLS: the name of `[tls] workers` or `clients` its certificate is valid for
+    /// (none: turned away at once), and whether that name may be a worker.
+    Tls {
+        name: Option<String>,
+        worker: bool,
+        remote: SocketAddr,
+    },
+}
+
+/// A connection the TLS relay hands to the loop, with who is at its other end.
+type TlsHandover = (std::os::unix::net::UnixStream, Peer);
+
+/// What one peer's connections are counted under, for `max_connections_per_uid`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum PeerKey {
+    Uid(u32),
+    Cert(String),
+}
+
+impl Peer {
+    fn key(&self) -> PeerKey {
+        match self {
+            Peer::Local { uid, .. } => PeerKey::Uid(*uid),
+            Peer::Tls { name, remote, .. } => {
+                PeerKey::Cert(name.clone().unwrap_or_else(|| remote.to_string()))
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Peer::Local { uid, .. } => write!(f, "uid {uid}"),
+            Peer::Tls {
+                name: Some(n),
+                remote,
+                ..
+            } => write!(f, "TLS peer {n} ({remote})"),
+            Peer::Tls {
+                name: None, remote, ..
+            } => write!(f, "TLS peer {remote}"),
+        }
+    }
+}
+
 struct Conn {
     stream: UnixStream,
     reader: FrameReader,
@@ -82,8 +139,8 @@ struct Conn {
     role: Option<Role>,
     /// Close once the outbox is flushed (after a final error frame).
     closing: bool,
-    /// The peer's uid (SO_PEERCRED at accept).
-    uid: u32,
+    /// Who the peer is (SO_PEERCRED or its certificate, at accept).
+    peer: Peer,
     /// When it connected, for the Hello deadline.
     accepted: Instant,
     /// When it last sent a frame (or connected): a client's idle clock.
@@ -104,8 +161,11 @@ pub struct EventLoop {
     own_gid: u32,
     unauthorized: u64,
     probe: Arc<ProbeCounters>,
-    /// Connections open per peer uid.
-    per_uid: HashMap<u32, u32>,
+    /// Connections open per peer uid or certificate name.
+    per_peer: HashMap<PeerKey, u32>,
+    /// Connections the TLS relay handed over, waiting to be admitted; None without TLS.
+    tls_peers: Option<(mpsc::Receiver<TlsHandover>, Arc<Waker>)>,
+    tls_counters: Arc<libkv::tls::ListenerCounters>,
     /// A descriptor held in reserve for running out of them (see the module doc).
     reserve_fd: Option<File>,
     /// When to try accepting again after running out of descriptors with no reserve.
@@ -173,13 +233,48 @@ impl EventLoop {
             own_gid: nix::unistd::getegid().as_raw(),
             unauthorized: 0,
             probe,
-            per_uid: HashMap::new(),
+            per_peer: HashMap::new(),
+            tls_peers: None,
+            tls_counters: Arc::default(),
             reserve_fd: open_reserve(),
             accept_retry_at: None,
             next_idle_check: Instant::now() + IDLE_CHECK,
             conn_counters: ConnCounters::default(),
             metrics: metrics.map(|m| (m, Instant::now())),
         })
+    }
+
+    /// Listens for peers over mutual TLS on `[tls] listen`, when it is set; returns the
+    /// address bound. Each peer whose handshake completes is admitted on this loop's thread.
+    pub fn listen_tls(&mut self) -> Result<Option<SocketAddr>, libkv::tls::TlsError> {
+        if self.cfg.tls.listen.is_none() {
+            return Ok(None);
+        }
+        let waker = Arc::new(
+            Waker::new(self.poll.registry(), TLS_PEERS)
+                .map_err(|e| libkv::tls::TlsError::Setup(format!("waker: {e}")))?,
+        );
+        let (tx, rx) = mpsc::channel();
+        let tx = Mutex::new(tx);
+        let wake = Arc::clone(&waker);
+        let bound = libkv::tls::listen(
+            &self.cfg.tls,
+            self.cfg.deadlines.bootstrap(),
+            Arc::clone(&self.tls_counters),
+            move |stream, p: libkv::tls::TlsPeer| {
+                let peer = Peer::Tls {
+                    name: p.name,
+                    worker: p.worker,
+                    remote: p.remote,
+                };
+                let sent = tx.lock().map(|tx| tx.send((stream, peer)).is_ok());
+                if sent.unwrap_or(false) {
+                    let _ = wake.wake();
+                }
+            },
+        )?;
+        self.tls_peers = Some((rx, waker));
+        Ok(bound)
     }
 
     /// Runs until SIGTERM or SIGINT, then drains: no new requests, those in flight may
@@ -214,6 +309,7 @@ impl EventLoop {
             for ev in &events {
                 match ev.token() {
                     LISTENER => self.accept(),
+                    TLS_PEERS => self.accept_tls(),
                     SIGNALS => {
                         if signals.pending().next().is_some() {
                             self.start_drain();
@@ -309,19 +405,31 @@ impl EventLoop {
     /// kvctld's own (a service run with `Group=kvfence` under a user of its own, such as
     /// openaid), and the configured uids and gids. Only `may_be_worker` decides who may
     /// register as a worker.
-    fn allowed(&self, uid: u32, gid: u32) -> bool {
+    /// A TLS peer may connect when its certificate is valid for a name of `[tls] workers`
+    /// or `clients`.
+    fn allowed(&self, peer: &Peer) -> bool {
         let c = &self.cfg.control;
-        uid == 0
-            || uid == self.own_uid
-            || gid == self.own_gid
-            || c.allowed_uids.contains(&uid)
-            || c.allowed_gids.contains(&gid)
+        match *peer {
+            Peer::Local { uid, gid } => {
+                uid == 0
+                    || uid == self.own_uid
+                    || gid == self.own_gid
+                    || c.allowed_uids.contains(&uid)
+                    || c.allowed_gids.contains(&gid)
+            }
+            Peer::Tls { ref name, .. } => name.is_some(),
+        }
     }
 
-    /// Workers see every tenant's prompts and KV: only kvctld's own uid, root and the
-    /// configured worker uids may register as one.
-    fn may_be_worker(&self, uid: u32) -> bool {
-        uid == 0 || uid == self.own_uid || self.cfg.control.worker_uids.contains(&uid)
+    /// Workers see every tenant's prompts and KV: only kvctld's own uid, root, the
+    /// configured worker uids and certificates of `[tls] workers` may register as one.
+    fn may_be_worker(&self, peer: &Peer) -> bool {
+        match *peer {
+            Peer::Local { uid, .. } => {
+                uid == 0 || uid == self.own_uid || self.cfg.control.worker_uids.contains(&uid)
+            }
+            Peer::Tls { worker, .. } => worker,
+        }
     }
 
     /// Sends one error frame on a connection that is not kept (best effort).
@@ -337,7 +445,7 @@ impl EventLoop {
             let Some(listener) = self.listener.as_ref() else {
                 return;
             };
-            let (mut stream, _) = match listener.accept() {
+            let (stream, _) = match listener.accept() {
                 Ok(s) => s,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -358,7 +466,8 @@ impl EventLoop {
                 }
             };
             let (uid, gid) = (cred.uid.as_raw(), cred.gid.as_raw());
-            if !self.allowed(uid, gid) {
+            let peer = Peer::Local { uid, gid };
+            if !self.allowed(&peer) {
                 self.unauthorized += 1;
                 warn!(
                     "refused connection from uid {uid} gid {gid} (pid {})",
@@ -368,51 +477,84 @@ impl EventLoop {
                 Self::turn_away(&stream, ErrorCode::Unauthorized, msg);
                 continue;
             }
-            let limit = self.cfg.control.max_connections_per_uid;
-            let held = self.per_uid.get(&uid).copied().unwrap_or(0);
-            if held >= limit {
-                self.conn_counters.refused_uid_limit += 1;
-                debug!("refused connection: uid {uid} holds {held} connections");
-                let msg = format!(
-                    "uid {uid} has {held} connections open, the most one uid may hold \
-                     (control.max_connections_per_uid); close some and try again"
-                );
-                Self::turn_away(&stream, ErrorCode::PoolFull, msg);
-                continue;
-            }
-            if self.conns.len() >= MAX_CONNECTIONS {
-                self.conn_counters.refused_full += 1;
-                debug!("refused connection: {MAX_CONNECTIONS} connections open");
-                let msg = format!("kvctld has {MAX_CONNECTIONS} connections open; try again");
-                Self::turn_away(&stream, ErrorCode::PoolFull, msg);
-                continue;
-            }
-            let entry = self.conns.vacant_entry();
-            let key = entry.key();
-            if let Err(e) = self.poll.registry().register(
-                &mut stream,
-                Token(key + FIRST_CONN),
-                Interest::READABLE,
-            ) {
-                warn!("registering connection failed: {e}");
-                continue;
-            }
-            let now = Instant::now();
-            entry.insert(Conn {
-                stream,
-                reader: FrameReader::new(),
-                out: Outbox::new(),
-                writable: false,
-                role: None,
-                closing: false,
-                uid,
-                accepted: now,
-                last_frame: now,
-                pool_fd: None,
-            });
-            *self.per_uid.entry(uid).or_insert(0) += 1;
-            debug!("connection {key} from uid {uid}");
+            self.admit(stream, peer);
         }
+    }
+
+    /// Admits the connections the TLS relay handed over; a certificate valid for no name
+    /// of `[tls] workers` or `clients` is turned away with the reason.
+    fn accept_tls(&mut self) {
+        let Some((rx, _)) = &self.tls_peers else {
+            return;
+        };
+        let waiting: Vec<_> = rx.try_iter().collect();
+        for (stream, peer) in waiting {
+            if stream.set_nonblocking(true).is_err() {
+                continue;
+            }
+            let stream = UnixStream::from_std(stream);
+            if !self.allowed(&peer) {
+                self.unauthorized += 1;
+                warn!("refused {peer}: its certificate names none of [tls] workers or clients");
+                let msg = format!(
+                    "{peer}: the certificate is valid, but for no name kvctld lets in \
+                     ([tls] workers, clients)"
+                );
+                Self::turn_away(&stream, ErrorCode::Unauthorized, msg);
+                continue;
+            }
+            self.admit(stream, peer);
+        }
+    }
+
+    /// Takes an authenticated peer's connection, unless its peer or kvctld as a whole holds
+    /// the most connections allowed.
+    fn admit(&mut self, mut stream: UnixStream, peer: Peer) {
+        let limit = self.cfg.control.max_connections_per_uid;
+        let key = peer.key();
+        let held = self.per_peer.get(&key).copied().unwrap_or(0);
+        if held >= limit {
+            self.conn_counters.refused_uid_limit += 1;
+            debug!("refused connection: {peer} holds {held} connections");
+            let msg = format!(
+                "{peer} has {held} connections open, the most one peer may hold \
+                 (control.max_connections_per_uid); close some and try again"
+            );
+            Self::turn_away(&stream, ErrorCode::PoolFull, msg);
+            return;
+        }
+        if self.conns.len() >= MAX_CONNECTIONS {
+            self.conn_counters.refused_full += 1;
+            debug!("refused connection: {MAX_CONNECTIONS} connections open");
+            let msg = format!("kvctld has {MAX_CONNECTIONS} connections open; try again");
+            Self::turn_away(&stream, ErrorCode::PoolFull, msg);
+            return;
+        }
+        let entry = self.conns.vacant_entry();
+        let conn_id = entry.key();
+        if let Err(e) = self.poll.registry().register(
+            &mut stream,
+            Token(conn_id + FIRST_CONN),
+            Interest::READABLE,
+        ) {
+            warn!("registering connection failed: {e}");
+            return;
+        }
+        let now = Instant::now();
+        debug!("connection {conn_id} from {peer}");
+        entry.insert(Conn {
+            stream,
+            reader: FrameReader::new(),
+            out: Outbox::new(),
+            writable: false,
+            role: None,
+            closing: false,
+            peer,
+            accepted: now,
+            last_frame: now,
+            pool_fd: None,
+        });
+        *self.per_peer.entry(key).or_insert(0) += 1;
     }
 
     /// Accept failed for want of descriptors: accepts each waiting connection on the
@@ -588,10 +730,11 @@ impl EventLoop {
             return;
         };
         let _ = self.poll.registry().deregister(&mut conn.stream);
-        if let Some(n) = self.per_uid.get_mut(&conn.uid) {
+        let peer_key = conn.peer.key();
+        if let Some(n) = self.per_peer.get_mut(&peer_key) {
             *n = n.saturating_sub(1);
             if *n == 0 {
-                self.per_uid.remove(&conn.uid);
+                self.per_peer.remove(&peer_key);
             }
         }
         if self.reserve_fd.is_none() {
@@ -683,6 +826,14 @@ impl EventLoop {
                 ("connections_refused_full", c.refused_full),
                 ("connections_refused_no_fds", c.refused_no_fds),
                 ("connections_closed_idle", c.idle_closed),
+                (
+                    "tls_accepted",
+                    self.tls_counters.accepted.load(Ordering::Relaxed),
+                ),
+                (
+                    "tls_refused",
+                    self.tls_counters.refused.load(Ordering::Relaxed),
+                ),
             ]
             .into_iter()
             .map(|(n, v)| (n.to_owned(), v)),
@@ -714,16 +865,16 @@ impl EventLoop {
             }
             (Some(Role::Client), Message::Drain(d)) => {
                 // Draining takes capacity away from every tenant: operators only.
-                let uid = conn.uid;
-                if self.may_be_worker(uid) {
+                let peer = conn.peer.clone();
+                if self.may_be_worker(&peer) {
                     self.core.client_drain(key, id, &d, now);
                 } else {
                     self.unauthorized += 1;
                     let e = proto::Error {
                         code: ErrorCode::Unauthorized,
                         message: format!(
-                            "uid {uid} may not drain workers (root, kvctld's uid or \
-                             control.worker_uids may)"
+                            "{peer} may not drain workers (root, kvctld's uid, \
+                             control.worker_uids or a certificate of [tls] workers may)"
                         ),
                     };
                     self.send(key, id, &e.into(), Vec::new());
@@ -776,16 +927,18 @@ impl EventLoop {
             self.close_after_flush(key);
             return;
         }
-        let uid = self.conns.get(key).map_or(u32::MAX, |c| c.uid);
-        if matches!(h.role, Role::Prefill | Role::Decode) && !self.may_be_worker(uid) {
+        let Some(peer) = self.conns.get(key).map(|c| c.peer.clone()) else {
+            return;
+        };
+        if matches!(h.role, Role::Prefill | Role::Decode) && !self.may_be_worker(&peer) {
             self.unauthorized += 1;
             warn!(
-                "uid {uid} may connect but not register as a {:?} worker",
+                "{peer} may connect but not register as a {:?} worker",
                 h.role
             );
             let msg = proto::Error {
                 code: ErrorCode::Unauthorized,
-                message: format!("uid {uid} is not allowed to be a worker"),
+                message: format!("{peer} is not allowed to be a worker"),
             };
             self.send(key, RequestId(0), &msg.into(), Vec::new());
             self.close_after_flush(key);

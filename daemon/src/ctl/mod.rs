@@ -8,7 +8,8 @@
 //! - [`core`]: the workers, the admission ledger and the request state machine, with no
 //!   I/O (events in, actions out), where the invariants are tested;
 //! - [`workers`]: the worker registry and the pairing policy;
-//! - [`event_loop`]: the control socket, connections, peer authentication, frames.
+//! - [`event_loop`]: the control socket and the TLS listener, connections, peer
+//!   authentication, frames.
 //!
 //! This file starts them: the listening socket (bound, or passed by systemd), the optional
 //! coherence probe thread, then the loop until SIGTERM/SIGINT.
@@ -56,6 +57,8 @@ pub enum CtlError {
     Bind { path: PathBuf, source: io::Error },
     #[error("setting owner and mode of {path}")]
     Permissions { path: PathBuf, source: io::Error },
+    #[error("TLS listener")]
+    Tls(#[source] libkv::tls::TlsError),
     #[error("control.socket_group {group:?} names no group on this host")]
     UnknownGroup { group: String },
     #[error("looking up control.socket_group {group:?}")]
@@ -147,6 +150,9 @@ pub fn run(cfg: Config) -> Result<(), CtlError> {
     let core = Core::new(core_cfg, generation);
     let mut event_loop =
         EventLoop::new(cfg, listener, core, probe, metrics).map_err(CtlError::Poll)?;
+    if let Some(addr) = event_loop.listen_tls().map_err(CtlError::Tls)? {
+        info!("kvctld serving TLS peers on {addr}");
+    }
     let served = event_loop.serve().map_err(CtlError::Poll);
     if let Some(identity) = bound {
         identity.remove_if_mine(&socket);

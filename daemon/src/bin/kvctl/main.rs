@@ -394,17 +394,17 @@ fn run(cli: &Cli) -> Result<(), Failure> {
     }
 }
 
-/// Connects to the socket given by `--socket`, else the config's, else the default, with
-/// the config's default request deadline when there is one. Returns the deadlines in
-/// force: the config's, else the defaults.
+/// Connects to the socket given by `--socket`, else where the config says (over TLS with
+/// `[tls] connect`, else its socket), else the default socket, with the config's default
+/// request deadline when there is one. Returns the deadlines in force: the config's, else
+/// the defaults.
 fn connect(cli: &Cli) -> Result<(Client, Deadlines), Failure> {
     let config = load_config(cli)?;
-    let socket = cli
-        .socket
-        .clone()
-        .or_else(|| config.as_ref().map(|c| c.control.socket.clone()))
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET));
-    let mut client = Client::connect(&socket, CONNECT_TIMEOUT)?;
+    let mut client = match (&cli.socket, &config) {
+        (Some(socket), _) => Client::connect(socket, CONNECT_TIMEOUT)?,
+        (None, Some(c)) => Client::connect_configured(c, CONNECT_TIMEOUT)?,
+        (None, None) => Client::connect(&PathBuf::from(DEFAULT_SOCKET), CONNECT_TIMEOUT)?,
+    };
     if let Some(c) = &config {
         client.set_default_deadline(c.deadlines.request() + c.deadlines.admission_wait());
     }
