@@ -4,6 +4,7 @@
 //! prompts and the monolithic reference they are checked against, a bounded load of
 //! concurrent requests, and the wait until every page is free again.
 
+pub mod certs;
 pub mod hosts;
 pub mod idle;
 pub mod ops;
