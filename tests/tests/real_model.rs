@@ -12,8 +12,8 @@
 
 use kvctld::stack::error_chain;
 use kvfence_tests::{
-    Moved, all_worker_ids, assert_matches, assert_transport, rdma, rdma_device, start_stack, tcp,
-    wait_all_free,
+    Moved, all_worker_ids, assert_matches, assert_transport, rdma, rdma_device, start_stack_with,
+    tcp, wait_all_free,
 };
 use libkv::config::{Config, ModelConfig, ModelKind};
 use libkv::model::{Output, monolithic_paged};
@@ -140,30 +140,41 @@ fn disaggregated_equals_monolithic(tokens_per_page: u32, transports: &[&str]) {
     let mut expected: Vec<Option<Output>> = vec![None; cases.len()];
 
     for &transport in transports {
-        let run = start_stack("kvllm.", 1, 1, |c| {
-            real_model_config(c, path.clone(), geometry);
-            match transport {
-                "tcp" => tcp(c),
-                "rdma" => {
-                    rdma(c);
-                    // soft-RoCE runs under emulation (TCG), where the model is about 700
-                    // times slower than on the host: the deadlines still bound every stage,
-                    // only further out (the request's reaches the 1-hour limit), and the
-                    // workers use both of the guest's cores
-                    let d = &mut c.deadlines;
-                    for t in [
-                        &mut d.prefill,
-                        &mut d.transfer,
-                        &mut d.decode,
-                        &mut d.request,
-                    ] {
-                        *t *= 30;
+        let run = start_stack_with(
+            "kvllm.",
+            1,
+            1,
+            |c| {
+                real_model_config(c, path.clone(), geometry);
+                match transport {
+                    "tcp" => tcp(c),
+                    "rdma" => {
+                        rdma(c);
+                        // soft-RoCE runs under emulation (TCG), where the model is about 700
+                        // times slower than on the host: the deadlines still bound every stage,
+                        // only further out (the request's reaches the 1-hour limit), and the
+                        // workers use both of the guest's cores
+                        let d = &mut c.deadlines;
+                        for t in [
+                            &mut d.prefill,
+                            &mut d.transfer,
+                            &mut d.decode,
+                            &mut d.request,
+                        ] {
+                            *t *= 30;
+                        }
+                        c.model.threads = 2;
                     }
-                    c.model.threads = 2;
+                    _ => {}
                 }
-                _ => {}
-            }
-        });
+            },
+            |opts| {
+                if transport == "rdma" {
+                    // each worker loads the model, which takes a minute under emulation
+                    opts.ready_timeout = Duration::from_secs(600);
+                }
+            },
+        );
         progress(&format!("stack up ({transport})"));
         let stack = &run.stack;
         let status = stack.status().expect("status");
