@@ -695,6 +695,35 @@ mod tests {
     }
 
     #[test]
+    fn a_kvctld_older_than_one_registered_with_is_never_served() {
+        let kvctld = FakeKvctld::new();
+        let cfg = test_config(kvctld.socket.clone());
+        let daemon = start(cfg.clone());
+        let mut peer = kvctld.accept();
+        peer.handshake(&cfg);
+        // The connection drops; what answers next is a kvctld of an older generation (a
+        // deposed one, reached at the same address): the worker registers nothing with it.
+        drop(peer);
+        let mut peer = kvctld.accept();
+        let (_, hello, _) = peer.recv();
+        assert!(matches!(hello, Message::Hello(_)), "{hello:?}");
+        peer.send(
+            RequestId(0),
+            libkv::proto::HelloAck {
+                version: libkv::proto::PROTOCOL_VERSION,
+                generation: libkv::Generation(GEN.0 - 1),
+            },
+        );
+        peer.expect_closed();
+        // The kvctld of the newest generation is served again.
+        let mut peer = kvctld.accept();
+        peer.handshake(&cfg);
+        peer.send(RequestId(1), run_msg(1, PROMPT));
+        assert!(matches!(peer.next_frame().1, Message::PrefillDone(_)));
+        daemon.stop().unwrap();
+    }
+
+    #[test]
     fn pages_held_when_kvctld_is_lost_stay_until_no_pull_can_read_them() {
         // A decode worker may be copying a request's pages from its map of the pool when
         // kvctld dies. Freeing them at once would poison (or reuse) them under its copy.

@@ -250,6 +250,8 @@ pub struct Link {
     socket: PathBuf,
     /// Reaches kvctld over mutual TLS instead of `socket` (`[tls] connect`).
     tls: Option<crate::tls::Connector>,
+    /// The newest kvctld generation registered with: an older kvctld is never served.
+    fence: crate::fence::EpochFence,
     register: RegisterWorker,
     /// Attached (as a duplicate) to every `RegisterWorker`: prefill's read-only pool fd.
     register_fd: Option<OwnedFd>,
@@ -283,6 +285,7 @@ impl Link {
         Link {
             socket: cfg.control.socket.clone(),
             tls,
+            fence: crate::fence::EpochFence::new(),
             register,
             register_fd,
             handshake_timeout: cfg.deadlines.bootstrap(),
@@ -691,6 +694,19 @@ impl Link {
         match (self.stage, msg) {
             (Stage::Ready { .. }, Message::DrainReply(reply)) => self.drain_reply(&reply),
             (Stage::Ready { .. }, msg) => out.push(LinkEvent::Frame(header, msg, fds)),
+            (Stage::Hello { .. }, Message::HelloAck(ack))
+                if ack.version == PROTOCOL_VERSION && self.fence.check(ack.generation).is_err() =>
+            {
+                // a kvctld older than one this worker registered with: never act for it
+                let reason = self
+                    .fence
+                    .check(ack.generation)
+                    .err()
+                    .map(|e| e.to_string())
+                    .unwrap_or_default();
+                warn!("{reason}");
+                self.lose(registry, &reason, out);
+            }
             (Stage::Hello { .. }, Message::HelloAck(ack)) if ack.version == PROTOCOL_VERSION => {
                 let fds = match self.register_fd.as_ref().map(OwnedFd::try_clone) {
                     None => Vec::new(),
@@ -722,6 +738,10 @@ impl Link {
                         ack.generation.0, generation.0
                     );
                     self.lose(registry, &reason, out);
+                    return;
+                }
+                if let Err(e) = self.fence.observe(generation) {
+                    self.lose(registry, &e.to_string(), out);
                     return;
                 }
                 info!(
