@@ -121,7 +121,13 @@ pub fn run(cfg: Config) -> Result<(), CtlError> {
             (l, Some(identity))
         }
     };
-    let generation = generation_now();
+    // Workers never serve a kvctld older than one they registered with (libkv::fence), so
+    // a kvctld restarted on a clock that went back must still start later than the last.
+    let mut lock = lock;
+    let generation = next_generation(lock.as_ref().and_then(|l| l.previous));
+    if let Some(l) = lock.as_mut() {
+        l.record(Some(generation));
+    }
     let mut core_cfg = CoreConfig::from_config(&cfg, generation.0);
     core_cfg.placeholder_fault = placeholder_fault();
     info!(
@@ -263,10 +269,14 @@ pub fn lock_path(socket: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
-/// The exclusive lock on `SOCKET.lock`, held while kvctld runs (see the module doc).
+/// The exclusive lock on `SOCKET.lock`, held while kvctld runs (see the module doc). The
+/// file holds the pid of the kvctld holding it and its generation, so that the next one
+/// can name the holder and start at a later generation.
 #[derive(Debug)]
 struct SocketLock {
-    _lock: Flock<File>,
+    lock: Flock<File>,
+    /// The generation the last kvctld on this socket recorded.
+    previous: Option<Generation>,
 }
 
 impl SocketLock {
@@ -295,20 +305,38 @@ impl SocketLock {
                 return Err(CtlError::AlreadyRunning {
                     socket: socket.to_owned(),
                     lock: path,
-                    pid: text.trim().parse().ok(),
+                    pid: text.split_whitespace().next().and_then(|p| p.parse().ok()),
                 });
             }
             Err((_, e)) => return Err(lock_err(e.into())),
         };
+        let mut text = String::new();
+        let _ = lock.read_to_string(&mut text);
+        let previous = text
+            .split_whitespace()
+            .nth(1)
+            .and_then(|g| g.parse().ok())
+            .map(Generation);
+        let mut lock = SocketLock { lock, previous };
+        lock.record(None);
+        Ok(lock)
+    }
+
+    /// Writes this process's pid, and its generation once chosen, into the lock file.
+    fn record(&mut self, generation: Option<Generation>) {
         let pid = std::process::id();
+        let line = match generation {
+            Some(g) => format!("{pid} {}", g.0),
+            None => format!("{pid}"),
+        };
+        let lock = &mut self.lock;
         let written = lock
             .set_len(0)
             .and_then(|()| lock.rewind())
-            .and_then(|()| writeln!(lock, "{pid}"));
+            .and_then(|()| writeln!(lock, "{line}"));
         if let Err(e) = written {
-            debug!("writing the pid into {}: {e}", path.display());
+            debug!("writing the lock file: {e}");
         }
-        Ok(SocketLock { _lock: lock })
     }
 }
 
@@ -493,9 +521,34 @@ fn bind(control: &libkv::config::Control) -> Result<(UnixListener, BoundSocket),
     Ok((listener, identity))
 }
 
-fn generation_now() -> Generation {
+/// This start's generation: the clock in microseconds, or one past `previous` (the last
+/// generation recorded on this socket) when the clock is behind it.
+fn next_generation(previous: Option<Generation>) -> Generation {
     let micros = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(1, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
-    Generation(micros)
+    let after = previous.map_or(0, |p| p.0.saturating_add(1));
+    Generation(micros.max(after))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_generation_never_goes_back_on_one_socket() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("kvctld.sock");
+        let mut lock = SocketLock::take(&socket).unwrap();
+        assert_eq!(lock.previous, None);
+        // the last kvctld recorded a generation ahead of this clock
+        let ahead = Generation(next_generation(None).0 + 3_600_000_000);
+        lock.record(Some(ahead));
+        drop(lock);
+        let lock = SocketLock::take(&socket).unwrap();
+        assert_eq!(lock.previous, Some(ahead));
+        assert_eq!(next_generation(lock.previous), Generation(ahead.0 + 1));
+        // behind the clock, the clock wins
+        assert!(next_generation(Some(Generation(5))).0 > 5_000_000);
+    }
 }
