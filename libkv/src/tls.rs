@@ -320,9 +320,13 @@ where
     let (mut ur, mut uw) = unix.into_split();
     let inward = async move {
         let copied = copy(&mut tr, &mut uw).await;
-        if let (Err(e), Some(addr)) = (&copied, &refusal) {
+        if let (Err(e), Some(addr)) = (&copied, &refusal)
+            && is_alert(e)
+        {
             // kvctld ended the session with an alert (most often: it refused this peer's
-            // certificate): say so on the stream, as kvctld says a refusal
+            // certificate): say so on the stream, as kvctld says a refusal. Any other end
+            // (a reset, kvctld gone) reaches the peer as a closed connection, as on the
+            // control socket.
             let msg = Message::from(proto::Error {
                 code: ErrorCode::Unauthorized,
                 message: format!("kvctld at {addr} ended the TLS session: {e}"),
@@ -342,6 +346,13 @@ where
         () = &mut inward => { let _ = tokio::time::timeout(LINGER, outward).await; }
         () = &mut outward => { let _ = tokio::time::timeout(LINGER, inward).await; }
     }
+}
+
+/// Whether a TLS stream failed on an alert the other side sent.
+fn is_alert(e: &std::io::Error) -> bool {
+    e.get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        .is_some_and(|t| matches!(t, rustls::Error::AlertReceived(_)))
 }
 
 async fn copy<R, W>(r: &mut R, w: &mut W) -> std::io::Result<()>
