@@ -1,7 +1,8 @@
 //! Test hosts as network namespaces: two namespaces joined by a veth pair, each end with a
 //! documentation address, removed (with the veth) when dropped, passing or not; and the
 //! faults a test injects on that link: `tc netem` (loss, delay, reordering, duplication)
-//! on both ends, and the link going down and up.
+//! on both ends, and the link going down and up. [`Lan`]: any number of hosts on one
+//! switch (a bridge in a namespace of its own), each host's link able to go down alone.
 
 use std::process::{Command, Stdio};
 
@@ -138,6 +139,80 @@ impl Drop for Hosts {
     fn drop(&mut self) {
         for ns in [&self.a, &self.b] {
             // Removing a namespace removes the veth end in it, and with it the pair.
+            if let Err(e) = ip(&["netns", "del", ns])
+                && !e.contains("No such file")
+            {
+                eprintln!("removing namespace {ns}: {e}");
+            }
+        }
+    }
+}
+
+/// Hosts on one switch: each a namespace with a veth to a bridge in a hub namespace, all
+/// removed when dropped, passing or not.
+#[derive(Debug)]
+pub struct Lan {
+    /// The host namespaces, in the order of their addresses.
+    pub hosts: Vec<String>,
+    hub: String,
+    /// The hub's end of each host's link.
+    ports: Vec<String>,
+}
+
+impl Lan {
+    /// One namespace per address of `addrs` (each with its /24), named after `tag` and this
+    /// process, on one bridge; every link up.
+    pub fn create(tag: &str, addrs: &[&str]) -> Result<Lan, String> {
+        assert!(addrs.len() <= 10, "at most 10 hosts");
+        let pid = std::process::id();
+        // Interface names are at most 15 bytes: a tag of up to 4 bytes, the host's digit,
+        // "h" on the hub's end, a pid of at most 7 digits.
+        let tag: String = tag.chars().take(4).collect();
+        let mut lan = Lan {
+            hosts: Vec::new(),
+            hub: format!("kvf-{tag}-hub-{pid}"),
+            ports: Vec::new(),
+        };
+        // From here on, dropping `lan` removes whatever was made.
+        ip(&["netns", "add", &lan.hub])?;
+        ip(&["-n", &lan.hub, "link", "add", "br0", "type", "bridge"])?;
+        ip(&["-n", &lan.hub, "link", "set", "br0", "up"])?;
+        for (i, addr) in addrs.iter().enumerate() {
+            let host = format!("kvf-{tag}-{i}-{pid}");
+            let (dev, port) = (format!("{tag}{i}{pid}"), format!("{tag}{i}h{pid}"));
+            ip(&["netns", "add", &host])?;
+            lan.hosts.push(host.clone());
+            ip(&["link", "add", &dev, "type", "veth", "peer", "name", &port])?;
+            ip(&["link", "set", &port, "netns", &lan.hub])?;
+            lan.ports.push(port.clone());
+            ip(&["link", "set", &dev, "netns", &host])?;
+            ip(&[
+                "-n",
+                &host,
+                "addr",
+                "add",
+                &format!("{addr}/24"),
+                "dev",
+                &dev,
+            ])?;
+            ip(&["-n", &host, "link", "set", "lo", "up"])?;
+            ip(&["-n", &host, "link", "set", &dev, "up"])?;
+            ip(&["-n", &lan.hub, "link", "set", &port, "master", "br0"])?;
+            ip(&["-n", &lan.hub, "link", "set", &port, "up"])?;
+        }
+        Ok(lan)
+    }
+
+    /// Cuts host `i` off the switch, or joins it again.
+    pub fn link(&self, i: usize, up: bool) -> Result<(), String> {
+        let state = if up { "up" } else { "down" };
+        ip(&["-n", &self.hub, "link", "set", &self.ports[i], state])
+    }
+}
+
+impl Drop for Lan {
+    fn drop(&mut self) {
+        for ns in self.hosts.iter().chain([&self.hub]) {
             if let Err(e) = ip(&["netns", "del", ns])
                 && !e.contains("No such file")
             {

@@ -1,11 +1,11 @@
-//! kvctld on one host, a worker on another, every peer on the control channel over mutual
-//! TLS: two network namespaces joined by a veth pair. Namespace A (192.0.2.1/24) runs kvctld,
-//! listening for TLS peers on 192.0.2.1:7443, and prefilld, which reaches it there over TCP
-//! and TLS; namespace B (192.0.2.2/24) runs decoded, which reaches kvctld across the link,
-//! and kvctl as a client. Pages go over TCP from A to B. Certificates are made at test time.
+//! kvctld, prefilld, decoded and a client each on a host of its own, every one on the control
+//! channel over mutual TLS: four network namespaces on one switch ([`Lan`]). kvctld
+//! (192.0.2.1) listens for TLS peers on 192.0.2.1:7443; prefilld (192.0.2.2) and decoded
+//! (192.0.2.3) reach it there over TCP and TLS; kvctl runs as a client on 192.0.2.4. Pages go
+//! over TCP from prefilld's host to decoded's. Certificates are made at test time.
 //!
-//! Shown: requests equal the monolithic path; kvctl from B over TLS sees both workers and
-//! generates; a certificate of another CA, a certificate valid for no name kvctld lets in,
+//! Shown: requests equal the monolithic path; kvctl on the client's host over TLS sees both
+//! workers and generates; a certificate of another CA, a certificate valid for no name kvctld lets in,
 //! and a client's certificate trying to register as a decode worker are turned away with
 //! clear errors, counted, and change nothing.
 //!
@@ -15,7 +15,7 @@
 
 use kvctld::stack::{Daemon, Stack, StackOptions, default_bin_dir, error_chain, wait_until};
 use kvfence_tests::certs::TestCa;
-use kvfence_tests::hosts::{self, Hosts};
+use kvfence_tests::hosts::{self, Hosts, Lan};
 use kvfence_tests::{counter, prompt, worker_counter};
 use libkv::config::{Config, Transfer, TransportKind};
 use libkv::model::{ReferenceModel, detokenize, monolithic, tokenize};
@@ -24,8 +24,10 @@ use std::process::{Command, Output, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-const A: &str = "192.0.2.1";
-const B: &str = "192.0.2.2";
+const KVCTLD_HOST: &str = "192.0.2.1";
+const PREFILL_HOST: &str = "192.0.2.2";
+const DECODE_HOST: &str = "192.0.2.3";
+const CLIENT_HOST: &str = "192.0.2.4";
 const KVCTLD_TLS: &str = "192.0.2.1:7443";
 const PREFILL: &str = "prefill-0.kvfence.test";
 const DECODE: &str = "decode-0.kvfence.test";
@@ -57,7 +59,7 @@ fn text(out: &Output) -> String {
 }
 
 #[test]
-fn kvctld_and_its_workers_on_two_hosts_over_mutual_tls() {
+fn kvctld_its_workers_and_a_client_on_four_hosts_over_mutual_tls() {
     if let Some(why) = hosts::cannot_run() {
         eprintln!("SKIPPED: mutual TLS across namespaces: {why}");
         return;
@@ -70,7 +72,13 @@ fn kvctld_and_its_workers_on_two_hosts_over_mutual_tls() {
             "{d} missing: run `cargo build --release --bins` first"
         );
     }
-    let hosts = Hosts::create("tls", A, B).unwrap_or_else(|e| panic!("namespaces: {e}"));
+    let lan = Lan::create(
+        "tls",
+        &[KVCTLD_HOST, PREFILL_HOST, DECODE_HOST, CLIENT_HOST],
+    )
+    .unwrap_or_else(|e| panic!("namespaces: {e}"));
+    let (kvctld_ns, prefill_ns, decode_ns, client_ns) =
+        (&lan.hosts[0], &lan.hosts[1], &lan.hosts[2], &lan.hosts[3]);
     let dir = tempfile::Builder::new()
         .prefix("kvtls.")
         .tempdir_in("/tmp")
@@ -83,7 +91,7 @@ fn kvctld_and_its_workers_on_two_hosts_over_mutual_tls() {
     let mut config = Config::embedded_default(d.join("kvctld.sock"));
     config.transfer = Transfer {
         transport: TransportKind::Tcp,
-        listen: Some(format!("{A}:7471")),
+        listen: Some(format!("{PREFILL_HOST}:7471")),
     };
     let mut kvctld = config.clone();
     kvctld.tls = ca.kvctld(&server, KVCTLD_TLS, &[PREFILL, DECODE], &[CLIENT]);
@@ -102,9 +110,10 @@ fn kvctld_and_its_workers_on_two_hosts_over_mutual_tls() {
     );
     opts.worker_configs
         .insert("decode-0".into(), peer_config("decode-0", &[DECODE], &ca));
-    opts.wrap.insert("kvctld".into(), Hosts::exec(&hosts.a));
-    opts.wrap.insert("prefill-0".into(), Hosts::exec(&hosts.a));
-    opts.wrap.insert("decode-0".into(), Hosts::exec(&hosts.b));
+    opts.wrap.insert("kvctld".into(), Hosts::exec(kvctld_ns));
+    opts.wrap
+        .insert("prefill-0".into(), Hosts::exec(prefill_ns));
+    opts.wrap.insert("decode-0".into(), Hosts::exec(decode_ns));
     let stack = Stack::start(opts).unwrap_or_else(|e| {
         let logs: String = ["kvctld", "prefill-0", "decode-0"]
             .iter()
@@ -120,8 +129,8 @@ fn kvctld_and_its_workers_on_two_hosts_over_mutual_tls() {
         stack.log("kvctld")
     );
 
-    // Both workers reached kvctld over TLS: the Unix socket is not in their namespaces' way,
-    // but they were given no path to it (their configs connect over TLS).
+    // Both workers reached kvctld over TLS (their configs connect there, not to the socket,
+    // which the test itself uses from the root namespace).
     let status = stack.status().expect("status");
     assert_eq!(counter(&status, "tls_accepted"), Some(2), "{status:?}");
 
@@ -164,13 +173,13 @@ fn kvctld_and_its_workers_on_two_hosts_over_mutual_tls() {
     let pulled = worker_counter(&status, "decode-0", "pages_pulled").unwrap_or(0);
     assert!(pulled > 0, "no page went over TCP");
 
-    // kvctl on host B, a client over TLS: it sees both workers, and generates.
+    // kvctl on the client's host, over TLS: it sees both workers, and generates.
     let client_cfg = d.join("client.toml");
     let write = |path: &Path, c: &Config| {
         std::fs::write(path, toml::to_string(c).expect("toml")).expect("writing a config")
     };
     write(&client_cfg, &peer_config("client", &[CLIENT], &ca));
-    let out = kvctl_in(&hosts.b, &bin, &client_cfg, &["status"]);
+    let out = kvctl_in(client_ns, &bin, &client_cfg, &["status"]);
     assert!(out.status.success(), "{}", text(&out));
     let shown = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -179,7 +188,7 @@ fn kvctld_and_its_workers_on_two_hosts_over_mutual_tls() {
     );
     let want = monolithic(&model, &tokenize(b"hello over tls"), 5).expect("monolithic");
     let out = kvctl_in(
-        &hosts.b,
+        client_ns,
         &bin,
         &client_cfg,
         &[
@@ -197,7 +206,7 @@ fn kvctld_and_its_workers_on_two_hosts_over_mutual_tls() {
         detokenize(&want.tokens).trim_end()
     );
     // A client may not drain: that is for workers' and operators' names.
-    let out = kvctl_in(&hosts.b, &bin, &client_cfg, &["drain", "decode-0"]);
+    let out = kvctl_in(client_ns, &bin, &client_cfg, &["drain", "decode-0"]);
     assert!(
         !out.status.success(),
         "a client drained a worker: {}",
@@ -214,7 +223,7 @@ fn kvctld_and_its_workers_on_two_hosts_over_mutual_tls() {
     let refused_before = counter(&stack.status().unwrap(), "tls_refused").unwrap_or(0);
     let rogue_cfg = d.join("rogue.toml");
     write(&rogue_cfg, &peer_config("rogue", &[CLIENT], &rogue));
-    let out = kvctl_in(&hosts.b, &bin, &rogue_cfg, &["status"]);
+    let out = kvctl_in(client_ns, &bin, &rogue_cfg, &["status"]);
     assert!(!out.status.success(), "{}", text(&out));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("ended the TLS session"), "{}", text(&out));
@@ -232,7 +241,7 @@ fn kvctld_and_its_workers_on_two_hosts_over_mutual_tls() {
         &stranger_cfg,
         &peer_config("stranger", &["stranger.kvfence.test"], &ca),
     );
-    let out = kvctl_in(&hosts.b, &bin, &stranger_cfg, &["status"]);
+    let out = kvctl_in(client_ns, &bin, &stranger_cfg, &["status"]);
     assert!(!out.status.success(), "{}", text(&out));
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("for no name kvctld lets in"),
@@ -244,7 +253,7 @@ fn kvctld_and_its_workers_on_two_hosts_over_mutual_tls() {
     // and retried (as any refused worker is), never registered.
     let impostor_cfg = d.join("impostor.toml");
     write(&impostor_cfg, &peer_config("impostor", &[CLIENT], &ca));
-    let mut cmd = Hosts::exec(&hosts.b);
+    let mut cmd = Hosts::exec(decode_ns);
     cmd.push(bin.join("decoded").display().to_string());
     let log = std::fs::File::create(d.join("impostor.log")).unwrap();
     let mut impostor = Command::new(&cmd[0])
@@ -283,6 +292,6 @@ fn kvctld_and_its_workers_on_two_hosts_over_mutual_tls() {
     );
 
     drop(stack);
-    drop(hosts);
+    drop(lan);
     assert!(begun.elapsed() < TEST_BOUND, "took {:?}", begun.elapsed());
 }
