@@ -224,7 +224,7 @@ fn kvctld_its_workers_and_a_client_on_four_hosts_over_mutual_tls() {
     let rogue_cfg = d.join("rogue.toml");
     write(&rogue_cfg, &peer_config("rogue", &[CLIENT], &rogue));
     let out = kvctl_in(client_ns, &bin, &rogue_cfg, &["status"]);
-    assert!(!out.status.success(), "{}", text(&out));
+    assert_eq!(out.status.code(), Some(6), "not allowed: {}", text(&out));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("ended the TLS session"), "{}", text(&out));
     assert!(
@@ -242,7 +242,7 @@ fn kvctld_its_workers_and_a_client_on_four_hosts_over_mutual_tls() {
         &peer_config("stranger", &["stranger.kvfence.test"], &ca),
     );
     let out = kvctl_in(client_ns, &bin, &stranger_cfg, &["status"]);
-    assert!(!out.status.success(), "{}", text(&out));
+    assert_eq!(out.status.code(), Some(6), "not allowed: {}", text(&out));
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("for no name kvctld lets in"),
         "{}",
