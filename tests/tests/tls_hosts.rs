@@ -132,7 +132,12 @@ fn kvctld_its_workers_and_a_client_on_four_hosts_over_mutual_tls() {
     // Both workers reached kvctld over TLS (their configs connect there, not to the socket,
     // which the test itself uses from the root namespace).
     let status = stack.status().expect("status");
-    assert_eq!(counter(&status, "tls_accepted"), Some(2), "{status:?}");
+    // At least two: a worker whose handshake ran past its deadline on a loaded machine
+    // connects again, and each connection counts.
+    assert!(
+        counter(&status, "tls_accepted").is_some_and(|n| n >= 2),
+        "{status:?}"
+    );
 
     // Requests equal the monolithic path.
     let model = ReferenceModel::new(stack.config().geometry).expect("model");
