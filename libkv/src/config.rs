@@ -87,6 +87,9 @@ pub enum ConfigError {
     #[error("[tls]: {reason}")]
     BadTls { reason: String },
 
+    #[error("[election]: {reason}")]
+    BadElection { reason: String },
+
     #[error("cannot read configuration file {}", path.display())]
     Read {
         path: PathBuf,
@@ -280,6 +283,131 @@ pub struct Config {
     /// kvctld over TCP with mutual TLS, for peers on other hosts; off unless set.
     #[serde(default)]
     pub tls: Tls,
+    /// Several kvctld instances, one leading at a time, elected through etcd; off unless set.
+    #[serde(default)]
+    pub election: Election,
+}
+
+/// The `[election]` section: several kvctld instances share one cluster, and one of them
+/// leads, elected through etcd (v3, its JSON gateway over plain HTTP). A kvctld campaigns
+/// before it serves anything: it takes a lease of `ttl_s` and creates `key` under it, with
+/// `advertise` as its value; the store's revision of that put is its epoch (its generation,
+/// which every worker fences on). While the key exists the others wait as standbys. The
+/// leader renews the lease every third of `ttl_s` and admits only within `ttl_s - margin_ms`
+/// of the last renewal it *sent*; when that window closes it fails what it holds and exits
+/// (its service manager starts it again, as a standby). Workers, kvctl and openaid with
+/// `etcd` set find the leader's address under `key` and reach it over `[tls]`, whose
+/// `server_name` names the certificate every kvctld of the cluster presents.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Election {
+    /// `HOST:PORT` of an etcd member's client URL; the election is off without it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub etcd: Option<String>,
+    /// The key the leader holds; its value is the leader's `advertise` address.
+    pub key: String,
+    /// The lease's time to live at etcd, in seconds (etcd grants no less than 2).
+    pub ttl_s: u32,
+    /// How much of each lease window the leader gives up, in milliseconds: at least the
+    /// clock drift between kvctld and etcd over one TTL.
+    pub margin_ms: u32,
+    /// `HOST:PORT` where peers reach this kvctld's TLS listener (kvctld only); `[tls]
+    /// listen` when unset.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub advertise: Option<String>,
+}
+
+impl Default for Election {
+    fn default() -> Election {
+        Election {
+            etcd: None,
+            key: "/kvfence/leader".into(),
+            ttl_s: 5,
+            margin_ms: 1000,
+            advertise: None,
+        }
+    }
+}
+
+impl Election {
+    pub fn enabled(&self) -> bool {
+        self.etcd.is_some()
+    }
+
+    pub fn ttl(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(u64::from(self.ttl_s))
+    }
+
+    pub fn margin(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(u64::from(self.margin_ms))
+    }
+
+    /// The address this kvctld publishes: `advertise`, or `[tls] listen` when it names a
+    /// host (not 0.0.0.0 or ::).
+    pub fn advertised(&self, tls: &Tls) -> Result<String, ConfigError> {
+        if let Some(a) = &self.advertise {
+            return Ok(a.clone());
+        }
+        match tls.listen_addr()? {
+            Some(addr) if !addr.ip().is_unspecified() => Ok(addr.to_string()),
+            Some(addr) => Err(ConfigError::BadElection {
+                reason: format!(
+                    "[tls] listen = \"{addr}\" names no host peers can reach: set `advertise`"
+                ),
+            }),
+            None => Err(ConfigError::BadElection {
+                reason: "a kvctld in an election needs [tls] listen: peers reach the leader \
+                         over TLS"
+                    .into(),
+            }),
+        }
+    }
+
+    fn validate(&self, tls: &Tls) -> Result<(), ConfigError> {
+        let bad = |reason: String| ConfigError::BadElection { reason };
+        let Some(etcd) = &self.etcd else {
+            return Ok(());
+        };
+        for (key, v) in [("etcd", Some(etcd)), ("advertise", self.advertise.as_ref())] {
+            if let Some(v) = v {
+                match v.rsplit_once(':') {
+                    Some((host, port))
+                        if !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0) => {}
+                    _ => return Err(bad(format!("{key} = {v:?} is not a HOST:PORT"))),
+                }
+            }
+        }
+        if self.key.is_empty() {
+            return Err(bad("`key` is empty".into()));
+        }
+        if self.ttl_s < 2 {
+            return Err(bad(format!(
+                "ttl_s = {} is below 2 (etcd grants no shorter lease)",
+                self.ttl_s
+            )));
+        }
+        if u64::from(self.margin_ms) * 3 >= u64::from(self.ttl_s) * 1000 {
+            return Err(bad(format!(
+                "margin_ms = {} leaves too little of a {} s lease: keep it under a third",
+                self.margin_ms, self.ttl_s
+            )));
+        }
+        for (key, v) in [("cert", &tls.cert), ("key", &tls.key), ("ca", &tls.ca)] {
+            if v.is_none() {
+                return Err(bad(format!(
+                    "[tls] `{key}` is required: peers reach the leader over mutual TLS"
+                )));
+            }
+        }
+        if tls.server_name.is_none() {
+            return Err(bad(
+                "[tls] server_name is required: it names the certificate every kvctld of the \
+                 cluster presents"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The `[tls]` section: kvctld's control channel over TCP with mutual TLS, beside the Unix
@@ -981,6 +1109,7 @@ impl Config {
             model: ModelConfig::default(),
             openai: OpenAi::default(),
             tls: Tls::default(),
+            election: Election::default(),
         }
     }
 
@@ -1042,6 +1171,7 @@ impl Config {
         self.metrics.listen_addr()?;
         self.openai.validate()?;
         self.tls.validate()?;
+        self.election.validate(&self.tls)?;
         self.transfer.listen_addr().map(drop)
     }
 
@@ -1238,6 +1368,55 @@ mod tests {
         assert_eq!(
             got, want,
             "kvfence.example.toml must set and document every key"
+        );
+    }
+
+    #[test]
+    fn an_election_needs_etcd_a_sane_lease_and_tls() {
+        let base = minimal(16, 4096, 256, 1024, 1024);
+        let files = "cert = \"/c.pem\"\nkey = \"/c.key\"\nca = \"/ca.pem\"";
+        let with = |election: &str, tls: &str| {
+            Config::from_toml_str(&format!("{base}\n[election]\n{election}\n[tls]\n{tls}\n"))
+        };
+        let err = |e: &str, t: &str| with(e, t).unwrap_err().to_string();
+        let etcd = "etcd = \"192.0.2.10:2379\"";
+        let peer = format!("server_name = \"kvctld.example\"\n{files}");
+        let c = with(etcd, &peer).unwrap();
+        assert!(c.election.enabled());
+        assert!(!Config::from_toml_str(&base).unwrap().election.enabled());
+        assert!(err("etcd = \"etcd\"", &peer).contains("HOST:PORT"));
+        assert!(err(&format!("{etcd}\nttl_s = 1"), &peer).contains("below 2"));
+        assert!(err(&format!("{etcd}\nttl_s = 3\nmargin_ms = 1000"), &peer).contains("a third"));
+        assert!(err(etcd, files).contains("server_name"));
+        assert!(err(etcd, "server_name = \"kvctld.example\"").contains("`cert`"));
+        // kvctld publishes its listener, or `advertise` where it listens on every address
+        assert!(
+            c.election
+                .advertised(&c.tls)
+                .unwrap_err()
+                .to_string()
+                .contains("listen")
+        );
+        let listen = format!("{peer}\nlisten = \"192.0.2.1:7443\"\nworkers = [\"w.example\"]");
+        let c = with(etcd, &listen).unwrap();
+        assert_eq!(c.election.advertised(&c.tls).unwrap(), "192.0.2.1:7443");
+        let any = listen.replace("192.0.2.1:7443", "0.0.0.0:7443");
+        let c = with(etcd, &any).unwrap();
+        assert!(
+            c.election
+                .advertised(&c.tls)
+                .unwrap_err()
+                .to_string()
+                .contains("advertise")
+        );
+        let c = with(
+            &format!("{etcd}\nadvertise = \"kvctld-a.example:7443\""),
+            &any,
+        )
+        .unwrap();
+        assert_eq!(
+            c.election.advertised(&c.tls).unwrap(),
+            "kvctld-a.example:7443"
         );
     }
 

@@ -12,6 +12,7 @@ pub mod etcd;
 pub mod fence;
 pub mod geometry;
 pub mod ids;
+pub mod leader;
 pub mod memory;
 pub mod metrics;
 pub mod model;

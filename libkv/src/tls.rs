@@ -218,6 +218,7 @@ pub fn listen(
                     continue;
                 }
             };
+            notice_dead_peers(&tcp);
             if pending.load(Ordering::Relaxed) >= MAX_HANDSHAKES {
                 counters.refused.fetch_add(1, Ordering::Relaxed);
                 debug!("TLS peer {remote}: {MAX_HANDSHAKES} handshakes already running");
@@ -370,6 +371,30 @@ where
     }
 }
 
+/// Makes a connection whose peer vanished (its host cut off, not closed) fail within seconds
+/// rather than the kernel's two hours: keepalive probes when idle, and a bound on how long
+/// sent data may go unacknowledged. A peer on the other end then reconnects (to a new leader)
+/// instead of waiting on a dead one.
+fn notice_dead_peers(tcp: &TcpStream) {
+    use nix::sys::socket::{setsockopt, sockopt};
+    let set = [
+        setsockopt(tcp, sockopt::KeepAlive, &true),
+        setsockopt(tcp, sockopt::TcpKeepIdle, &DEAD_PEER_IDLE_S),
+        setsockopt(tcp, sockopt::TcpKeepInterval, &1),
+        setsockopt(tcp, sockopt::TcpKeepCount, &DEAD_PEER_PROBES),
+        setsockopt(tcp, sockopt::TcpUserTimeout, &DEAD_PEER_UNACKED_MS),
+    ];
+    if let Some(Err(e)) = set.into_iter().find(Result::is_err) {
+        debug!("TCP keepalive: {e}");
+    }
+}
+
+/// Seconds idle before the first keepalive probe, probes unanswered before the connection
+/// fails (one a second), and milliseconds sent data may go unacknowledged.
+const DEAD_PEER_IDLE_S: u32 = 2;
+const DEAD_PEER_PROBES: u32 = 3;
+const DEAD_PEER_UNACKED_MS: u32 = 5_000;
+
 /// A peer's side: reaches kvctld at `[tls] connect` with this peer's certificate.
 #[derive(Clone)]
 pub struct Connector {
@@ -390,9 +415,15 @@ impl std::fmt::Debug for Connector {
 impl Connector {
     /// `None` when `[tls] connect` is not set (the peer uses the control socket).
     pub fn from_config(tls: &Tls) -> Result<Option<Connector>, TlsError> {
-        let Some(addr) = tls.connect.clone() else {
-            return Ok(None);
-        };
+        match tls.connect.clone() {
+            Some(addr) => Connector::new(tls, addr).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// A connector to `addr` with the certificate, key, CA and server name of `tls` (for a
+    /// leader found through etcd, [`Connector::to`] moves it to the next one).
+    pub fn new(tls: &Tls, addr: String) -> Result<Connector, TlsError> {
         let name = tls.server_name().unwrap_or_default();
         let server_name = ServerName::try_from(name.clone())
             .map_err(|e| TlsError::Setup(format!("server name {name:?}: {e}")))?;
@@ -405,11 +436,19 @@ impl Connector {
                 key(required(&tls.key, "key")?)?,
             )
             .map_err(|e| TlsError::Setup(format!("certificate and key: {e}")))?;
-        Ok(Some(Connector {
+        Ok(Connector {
             config: Arc::new(config),
             addr,
             server_name,
-        }))
+        })
+    }
+
+    /// The same connector, to another address.
+    pub fn to(&self, addr: &str) -> Connector {
+        Connector {
+            addr: addr.to_owned(),
+            ..self.clone()
+        }
     }
 
     /// Where this connector reaches kvctld.
@@ -434,6 +473,7 @@ impl Connector {
                     .await
                     .map_err(|e| e.to_string())?;
                 let _ = tcp.set_nodelay(true);
+                notice_dead_peers(&tcp);
                 tokio_rustls::TlsConnector::from(me.config.clone())
                     .connect(me.server_name.clone(), tcp)
                     .await

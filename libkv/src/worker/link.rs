@@ -250,7 +250,11 @@ pub struct Link {
     socket: PathBuf,
     /// Reaches kvctld over mutual TLS instead of `socket` (`[tls] connect`).
     tls: Option<crate::tls::Connector>,
-    /// The newest kvctld generation registered with: an older kvctld is never served.
+    /// Finds the leading kvctld in etcd before each connection (`[election]`); `tls` then
+    /// reaches the address found.
+    leader: Option<crate::leader::LeaderLookup>,
+    /// The newest kvctld generation registered with, or named leader by etcd: an older
+    /// kvctld is never served.
     fence: crate::fence::EpochFence,
     register: RegisterWorker,
     /// Attached (as a duplicate) to every `RegisterWorker`: prefill's read-only pool fd.
@@ -285,6 +289,7 @@ impl Link {
         Link {
             socket: cfg.control.socket.clone(),
             tls,
+            leader: None,
             fence: crate::fence::EpochFence::new(),
             register,
             register_fd,
@@ -305,10 +310,32 @@ impl Link {
 
     /// Where kvctld is reached, for messages.
     fn place(&self) -> String {
-        match &self.tls {
-            Some(t) => format!("tls://{}", t.addr()),
-            None => self.socket.display().to_string(),
+        match (&self.tls, &self.leader) {
+            (Some(t), Some(l)) if t.addr().is_empty() => l.place(),
+            (Some(t), _) => format!("tls://{}", t.addr()),
+            (None, _) => self.socket.display().to_string(),
         }
+    }
+
+    /// Connects to the leader `lookup` finds in etcd (over the link's TLS connector)
+    /// instead of a fixed address.
+    pub fn follow_leader(&mut self, lookup: crate::leader::LeaderLookup) {
+        self.leader = Some(lookup);
+    }
+
+    /// The TLS connector to the leader etcd names now, whose epoch the fence then holds (a
+    /// kvctld answering with an older generation is not the leader and is never served).
+    fn leader_connector(&mut self) -> Result<crate::tls::Connector, String> {
+        let (Some(lookup), Some(tls)) = (&self.leader, &self.tls) else {
+            return Err("no leader lookup".into());
+        };
+        let leader = lookup.find().map_err(|e| crate::error_chain(&e))?;
+        self.fence
+            .observe(Generation(leader.epoch))
+            .map_err(|e| format!("etcd names leader {}: {e}", leader.addr))?;
+        let to = tls.to(&leader.addr);
+        self.tls = Some(to.clone());
+        Ok(to)
     }
 
     /// Publishes the worker's status on `board` from now on (see [`Link::publish`]).
@@ -454,11 +481,16 @@ impl Link {
 
     fn connect(&mut self, registry: &Registry) {
         let now = Instant::now();
-        let connected = match &self.tls {
-            None => UnixStream::connect(&self.socket).map_err(|e| e.to_string()),
+        let tls = match (&self.leader, &self.tls) {
+            (Some(_), _) => self.leader_connector().map(Some),
+            (None, tls) => Ok(tls.clone()),
+        };
+        let connected = match tls {
+            Err(e) => Err(e),
+            Ok(None) => UnixStream::connect(&self.socket).map_err(|e| e.to_string()),
             // The TLS handshake blocks this loop for at most the handshake deadline; only
             // while kvctld is out of reach, when no request can be running anyway.
-            Some(tls) => tls
+            Ok(Some(tls)) => tls
                 .connect(self.handshake_timeout)
                 .map_err(|e| e.to_string())
                 .and_then(|s| {

@@ -404,8 +404,18 @@ impl Startup {
     /// Over TLS when `[tls] connect` is set: its certificate, key and CA are read now, so
     /// that a worker whose files are missing or wrong refuses to start.
     pub fn link(&mut self, cfg: &Config, register: RegisterWorker) -> Result<Link, WorkerError> {
-        let tls = crate::tls::Connector::from_config(&cfg.tls).map_err(WorkerError::Tls)?;
+        let leader = crate::leader::LeaderLookup::from_config(&cfg.election);
+        let tls = match leader {
+            // the address comes from etcd at each connection
+            Some(_) => Some(crate::tls::Connector::new(&cfg.tls, String::new())),
+            None => crate::tls::Connector::from_config(&cfg.tls).transpose(),
+        }
+        .transpose()
+        .map_err(WorkerError::Tls)?;
         let mut link = Link::new(cfg, register, self.read_only_fd.take(), tls);
+        if let Some(lookup) = leader {
+            link.follow_leader(lookup);
+        }
         if let Some(board) = self.metrics.take() {
             link.publish_to(board, cfg);
         }
