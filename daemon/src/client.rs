@@ -253,6 +253,8 @@ impl Canceller {
 pub enum Endpoint {
     Socket(PathBuf),
     Tls(libkv::tls::Connector),
+    /// Over TLS to the leader etcd names at each connection (`[election]`).
+    Leader(libkv::leader::LeaderLookup, libkv::tls::Connector),
 }
 
 impl fmt::Display for Endpoint {
@@ -260,13 +262,23 @@ impl fmt::Display for Endpoint {
         match self {
             Endpoint::Socket(path) => write!(f, "{}", path.display()),
             Endpoint::Tls(c) => write!(f, "tls://{}", c.addr()),
+            Endpoint::Leader(l, _) => write!(f, "{}", l.place()),
         }
     }
 }
 
 impl Endpoint {
-    /// Over TLS when `[tls] connect` is set, else `[control] socket`.
+    /// Over TLS to the leader when `[election]` is on, over TLS to `[tls] connect` when
+    /// that is set, else `[control] socket`.
     pub fn from_config(cfg: &Config) -> Result<Endpoint, ClientError> {
+        if let Some(lookup) = libkv::leader::LeaderLookup::from_config(&cfg.election) {
+            return libkv::tls::Connector::new(&cfg.tls, String::new())
+                .map(|c| Endpoint::Leader(lookup.clone(), c))
+                .map_err(|e| ClientError::Connect {
+                    path: PathBuf::from(lookup.place()),
+                    source: io::Error::other(e),
+                });
+        }
         match libkv::tls::Connector::from_config(&cfg.tls) {
             Ok(Some(c)) => Ok(Endpoint::Tls(c)),
             Ok(None) => Ok(Endpoint::Socket(cfg.control.socket.clone())),
@@ -285,6 +297,13 @@ impl Endpoint {
         match self {
             Endpoint::Socket(path) => Client::connect(path, timeout),
             Endpoint::Tls(c) => Client::connect_tls(c, timeout),
+            Endpoint::Leader(lookup, c) => {
+                let leader = lookup.find().map_err(|e| ClientError::Connect {
+                    path: PathBuf::from(lookup.place()),
+                    source: io::Error::other(libkv::error_chain(&e)),
+                })?;
+                Client::connect_tls(&c.to(&leader.addr), timeout)
+            }
         }
     }
 }

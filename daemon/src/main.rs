@@ -31,6 +31,11 @@ struct Args {
 /// workers reading this file (the installed default pair does) would start on this host.
 fn check_startable(cfg: &Config) -> Result<(), String> {
     kvctld::ctl::check_socket_settings(&cfg.control).map_err(|e| libkv::error_chain(&e))?;
+    if cfg.election.enabled() {
+        cfg.election
+            .advertised(&cfg.tls)
+            .map_err(|e| libkv::error_chain(&e))?;
+    }
     for (side, daemon) in [(Side::Prefill, "prefilld"), (Side::Decode, "decoded")] {
         libkv::worker::preflight(cfg, side)
             .map_err(|e| format!("{daemon} would refuse it: {}", libkv::error_chain(&e)))?;

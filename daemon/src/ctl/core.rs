@@ -1468,6 +1468,18 @@ impl Core {
         true
     }
 
+    /// This kvctld may no longer lead (its lease window closed): admit nothing more and
+    /// end every request now, queued or in flight, with `message` (the client retries with
+    /// the next leader). The workers free the pages under their own rules, as after any
+    /// abort or lost connection.
+    pub fn abandon(&mut self, now: Instant, message: &str) {
+        self.stopping_since.get_or_insert(now);
+        let ids: Vec<RequestId> = self.requests.keys().copied().collect();
+        for id in ids {
+            self.fail(id, ErrorCode::ShuttingDown, message.to_owned(), now);
+        }
+    }
+
     pub fn is_stopping(&self) -> bool {
         self.stopping_since.is_some()
     }

@@ -174,6 +174,18 @@ pub struct EventLoop {
     conn_counters: ConnCounters,
     /// Where the status goes for `/metrics`, when it is on, and when it goes next.
     metrics: Option<(crate::metrics::Snapshot, Instant)>,
+    /// The lease this kvctld leads under, with `[election]`: nothing is admitted once its
+    /// window closes.
+    term: Option<super::leader::Term>,
+}
+
+/// Why [`EventLoop::serve`] returned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ended {
+    /// SIGTERM or SIGINT, and the drain finished.
+    Stopped,
+    /// The lease window closed: every request was failed, retryable, and kvctld must go.
+    LostLeadership,
 }
 
 /// What the loop counts about connections, shown by status.
@@ -241,7 +253,37 @@ impl EventLoop {
             next_idle_check: Instant::now() + IDLE_CHECK,
             conn_counters: ConnCounters::default(),
             metrics: metrics.map(|m| (m, Instant::now())),
+            term: None,
         })
+    }
+
+    /// Admits only while `term`'s window is open; when it closes, [`EventLoop::serve`]
+    /// fails every request and returns [`Ended::LostLeadership`].
+    pub fn lead(&mut self, term: super::leader::Term) {
+        self.term = Some(term);
+    }
+
+    /// Whether this kvctld may admit at `now`: always without an election.
+    fn leads(&self, now: Instant) -> bool {
+        self.term.as_ref().is_none_or(|t| t.may_admit(now))
+    }
+
+    /// The window closed: fail everything held (the clients retry with the next leader),
+    /// send it, and stop.
+    fn lose_leadership(&mut self) {
+        let epoch = self.term.as_ref().map_or(0, |t| t.epoch().0);
+        log::error!(
+            "no longer leading: the lease of epoch {epoch} was not renewed in time; failing \
+             {} requests and exiting",
+            self.core.in_flight()
+        );
+        let message = format!(
+            "kvctld lost its leadership (epoch {epoch}) with this request in flight: retry, \
+             the next leader serves it"
+        );
+        self.core.abandon(Instant::now(), &message);
+        self.apply();
+        self.flush_all();
     }
 
     /// Listens for peers over mutual TLS on `[tls] listen`, when it is set; returns the
@@ -279,7 +321,7 @@ impl EventLoop {
 
     /// Runs until SIGTERM or SIGINT, then drains: no new requests, those in flight may
     /// finish within the drain deadline.
-    pub fn serve(&mut self) -> io::Result<()> {
+    pub fn serve(&mut self) -> io::Result<Ended> {
         let mut signals = Signals::new([SIGTERM, SIGINT])?;
         self.poll
             .registry()
@@ -293,6 +335,7 @@ impl EventLoop {
                 self.accept_retry_at,
                 Some(self.next_idle_check),
                 self.metrics.as_ref().map(|(_, at)| *at),
+                self.term.as_ref().and_then(|t| t.valid_until()),
             ]
             .into_iter()
             .flatten()
@@ -327,6 +370,10 @@ impl EventLoop {
                 }
             }
             let now = Instant::now();
+            if !self.leads(now) {
+                self.lose_leadership();
+                return Ok(Ended::LostLeadership);
+            }
             if self.accept_retry_at.is_some_and(|t| now >= t) {
                 self.accept_retry_at = None;
                 self.accept();
@@ -343,7 +390,7 @@ impl EventLoop {
                 self.apply();
                 self.flush_all();
                 info!("kvctld stopped");
-                return Ok(());
+                return Ok(Ended::Stopped);
             }
         }
     }
@@ -856,6 +903,14 @@ impl EventLoop {
             (None, other) => {
                 let msg = format!("expected Hello, got {:?}", other.msg_type());
                 self.protocol_error(key, id, msg);
+            }
+            (Some(Role::Client), Message::Submit(_)) if !self.leads(now) => {
+                // the window closed since the loop last looked: the loop fails it at once
+                let e = proto::Error {
+                    code: ErrorCode::ShuttingDown,
+                    message: "kvctld is no longer the leader: retry with the next one".into(),
+                };
+                self.send(key, id, &e.into(), Vec::new());
             }
             (Some(Role::Client), Message::Submit(s)) => self.core.submit(key, s, now),
             (Some(Role::Client), Message::StatusQuery(_)) => {

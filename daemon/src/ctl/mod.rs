@@ -30,6 +30,7 @@
 pub mod core;
 pub mod event_loop;
 pub mod latency;
+pub mod leader;
 pub mod workers;
 
 use self::core::{Core, CoreConfig};
@@ -87,6 +88,10 @@ pub enum CtlError {
     Probe { path: PathBuf, source: io::Error },
     #[error("setting up the event loop")]
     Poll(#[source] io::Error),
+    #[error("[election]")]
+    Election(#[source] libkv::config::ConfigError),
+    #[error("no longer leading: the lease of epoch {epoch} was not renewed in time")]
+    LostLeadership { epoch: u64 },
     #[error("serving metrics on {addr} (metrics.listen)")]
     Metrics {
         addr: std::net::SocketAddr,
@@ -114,6 +119,13 @@ pub fn run(cfg: Config) -> Result<(), CtlError> {
         }
         Err(e) => return Err(e),
     };
+    // With [election], nothing is served until this kvctld leads: a standby holds its lock
+    // and waits, its socket unbound and its TLS listener closed.
+    let leadership = match elect(&cfg)? {
+        Elected::Leads(l) => Some(l),
+        Elected::Alone => None,
+        Elected::Stopped => return Ok(()),
+    };
     let (listener, bound) = match activated {
         Some(l) => (l, None),
         None => {
@@ -124,7 +136,11 @@ pub fn run(cfg: Config) -> Result<(), CtlError> {
     // Workers never serve a kvctld older than one they registered with (libkv::fence), so
     // a kvctld restarted on a clock that went back must still start later than the last.
     let mut lock = lock;
-    let generation = next_generation(lock.as_ref().and_then(|l| l.previous));
+    let generation = match &leadership {
+        // etcd's revision: larger at every win, across every kvctld of the cluster
+        Some(l) => l.term().epoch(),
+        None => next_generation(lock.as_ref().and_then(|l| l.previous)),
+    };
     if let Some(l) = lock.as_mut() {
         l.record(Some(generation));
     }
@@ -159,12 +175,64 @@ pub fn run(cfg: Config) -> Result<(), CtlError> {
     if let Some(addr) = event_loop.listen_tls().map_err(CtlError::Tls)? {
         info!("kvctld serving TLS peers on {addr}");
     }
-    let served = event_loop.serve().map_err(CtlError::Poll);
+    if let Some(l) = &leadership {
+        event_loop.lead(l.term().clone());
+    }
+    let served = event_loop.serve();
     if let Some(identity) = bound {
         identity.remove_if_mine(&socket);
     }
     drop(lock);
-    served
+    match served {
+        Ok(event_loop::Ended::Stopped) => {
+            if let Some(l) = leadership {
+                l.resign();
+            }
+            Ok(())
+        }
+        Ok(event_loop::Ended::LostLeadership) => Err(CtlError::LostLeadership {
+            epoch: generation.0,
+        }),
+        Err(e) => Err(CtlError::Poll(e)),
+    }
+}
+
+/// The outcome of the election, before anything is served.
+enum Elected {
+    /// No `[election]`: this kvctld serves alone.
+    Alone,
+    Leads(leader::Leadership),
+    /// SIGTERM or SIGINT while a standby.
+    Stopped,
+}
+
+/// Campaigns when `[election]` is on, until this kvctld leads or is told to stop.
+fn elect(cfg: &Config) -> Result<Elected, CtlError> {
+    if !cfg.election.enabled() {
+        return Ok(Elected::Alone);
+    }
+    let advertise = cfg
+        .election
+        .advertised(&cfg.tls)
+        .map_err(CtlError::Election)?;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register(signal, Arc::clone(&stop)).map_err(CtlError::Poll)?;
+    }
+    info!(
+        "campaigning under {} in etcd at {} as {advertise}",
+        cfg.election.key,
+        cfg.election.etcd.as_deref().unwrap_or_default()
+    );
+    Ok(
+        match leader::Leadership::campaign(&cfg.election, &advertise, &stop) {
+            Some(l) => Elected::Leads(l),
+            None => {
+                info!("stopped while a standby");
+                Elected::Stopped
+            }
+        },
+    )
 }
 
 /// Whether this build replaces an over-long prompt by a placeholder (the incident):
