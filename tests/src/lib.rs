@@ -5,6 +5,7 @@
 //! concurrent requests, and the wait until every page is free again.
 
 pub mod certs;
+pub mod etcd_server;
 pub mod hosts;
 pub mod idle;
 pub mod ops;

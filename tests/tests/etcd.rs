@@ -12,6 +12,7 @@
 //! CI (`CI` set), where a missing etcd fails. Bounded in time.
 
 use kvctld::stack::wait_until;
+use kvfence_tests::etcd_server::{self, EtcdServer};
 use kvfence_tests::hosts::{self, Hosts, Lan};
 use libkv::etcd::{Etcd, EtcdError};
 use std::process::{Command, Stdio};
@@ -93,59 +94,20 @@ fn etcd_helper() {
     assert!(t.elapsed() < Duration::from_secs(3));
 }
 
-fn etcd_binary() -> bool {
-    Command::new("etcd")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
 #[test]
 fn an_election_and_members_in_a_real_etcd() {
     if let Some(why) = hosts::cannot_run() {
         eprintln!("SKIPPED: etcd test: {why}");
         return;
     }
-    if !etcd_binary() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "etcd is missing: .ci/run installs etcd-server"
-        );
+    if !etcd_server::available() {
         eprintln!("SKIPPED: etcd test: no etcd (apt install etcd-server)");
         return;
     }
     let lan = Lan::create("etcd", &[HOST]).unwrap_or_else(|e| panic!("namespace: {e}"));
     let ns = &lan.hosts[0];
     let dir = tempfile::tempdir().expect("temp dir");
-    let log = std::fs::File::create(dir.path().join("etcd.log")).unwrap();
-    let client = format!("http://{HOST}:2379");
-    let peer = format!("http://{HOST}:2380");
-    let mut cmd = Hosts::exec(ns);
-    cmd.push("etcd".into());
-    let mut etcd = Command::new(&cmd[0])
-        .args(&cmd[1..])
-        .args(["--name", "kvfence-test", "--data-dir"])
-        .arg(dir.path().join("data"))
-        .args([
-            "--listen-client-urls",
-            &client,
-            "--advertise-client-urls",
-            &client,
-        ])
-        .args([
-            "--listen-peer-urls",
-            &peer,
-            "--initial-advertise-peer-urls",
-            &peer,
-        ])
-        .args(["--initial-cluster", &format!("kvfence-test={peer}")])
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .expect("starting etcd");
+    let etcd = EtcdServer::start(ns, HOST, dir.path());
     let mut helper = Hosts::exec(ns);
     helper.push(std::env::current_exe().unwrap().display().to_string());
     let out = Command::new(&helper[0])
@@ -155,21 +117,14 @@ fn an_election_and_members_in_a_real_etcd() {
         .stdin(Stdio::null())
         .output()
         .expect("running the helper");
-    let _ = etcd.kill();
-    let _ = etcd.wait();
-    let etcd_log = std::fs::read_to_string(dir.path().join("etcd.log")).unwrap_or_default();
     assert!(
         out.status.success(),
         "{}\n{}\n--- etcd ---\n{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
-        etcd_log
-            .lines()
-            .rev()
-            .take(20)
-            .collect::<Vec<_>>()
-            .join("\n")
+        etcd.log_tail(20)
     );
+    drop(etcd);
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("1 passed"),
         "the helper did not run: {}",
