@@ -306,6 +306,10 @@ pub struct Election {
     pub etcd: Option<String>,
     /// The key the leader holds; its value is the leader's `advertise` address.
     pub key: String,
+    /// Where workers publish themselves, each under its own lease: `<members><id>` holds a
+    /// [`crate::members::Member`] as JSON. The leader treats a registered worker whose key
+    /// lapsed as lost.
+    pub members: String,
     /// The lease's time to live at etcd, in seconds (etcd grants no less than 2).
     pub ttl_s: u32,
     /// How much of each lease window the leader gives up, in milliseconds: at least the
@@ -322,6 +326,7 @@ impl Default for Election {
         Election {
             etcd: None,
             key: "/kvfence/leader".into(),
+            members: "/kvfence/workers/".into(),
             ttl_s: 5,
             margin_ms: 1000,
             advertise: None,
@@ -379,6 +384,12 @@ impl Election {
         }
         if self.key.is_empty() {
             return Err(bad("`key` is empty".into()));
+        }
+        if !self.members.ends_with('/') || self.key.starts_with(&self.members) {
+            return Err(bad(format!(
+                "members = {:?} must end in '/' and not hold the leader key {:?}",
+                self.members, self.key
+            )));
         }
         if self.ttl_s < 2 {
             return Err(bad(format!(
@@ -1387,6 +1398,8 @@ mod tests {
         assert!(err("etcd = \"etcd\"", &peer).contains("HOST:PORT"));
         assert!(err(&format!("{etcd}\nttl_s = 1"), &peer).contains("below 2"));
         assert!(err(&format!("{etcd}\nttl_s = 3\nmargin_ms = 1000"), &peer).contains("a third"));
+        assert!(err(&format!("{etcd}\nmembers = \"/kvfence/w\""), &peer).contains("end in '/'"));
+        assert!(err(&format!("{etcd}\nmembers = \"/kvfence/\""), &peer).contains("leader key"));
         assert!(err(etcd, files).contains("server_name"));
         assert!(err(etcd, "server_name = \"kvctld.example\"").contains("`cert`"));
         // kvctld publishes its listener, or `advertise` where it listens on every address

@@ -13,6 +13,7 @@ pub mod fence;
 pub mod geometry;
 pub mod ids;
 pub mod leader;
+pub mod members;
 pub mod memory;
 pub mod metrics;
 pub mod model;

@@ -271,6 +271,8 @@ pub struct Link {
     frames_received: u64,
     /// The pool's page counts in the last `PoolReport` sent on this connection.
     last_report: Option<PoolUsage>,
+    /// This worker's entry among the members in etcd (`[election]`), withdrawn on drop.
+    membership: Option<crate::members::Publisher>,
     /// Where the worker's own `/metrics` reads its status, when `[metrics] listen` is set,
     /// with the context one request may need of the pool.
     metrics: Option<(Board<WorkerSample>, u64)>,
@@ -305,6 +307,7 @@ impl Link {
             frames_received: 0,
             last_report: None,
             metrics: None,
+            membership: None,
         }
     }
 
@@ -321,6 +324,12 @@ impl Link {
     /// instead of a fixed address.
     pub fn follow_leader(&mut self, lookup: crate::leader::LeaderLookup) {
         self.leader = Some(lookup);
+    }
+
+    /// Publishes this worker among the members in etcd for as long as the link lives.
+    pub fn publish_membership(&mut self, cfg: &crate::config::Election) {
+        let member = crate::members::Member::of(&self.register);
+        self.membership = crate::members::Publisher::start(cfg, member);
     }
 
     /// The TLS connector to the leader etcd names now, whose epoch the fence then holds (a

@@ -415,6 +415,7 @@ impl Startup {
         let mut link = Link::new(cfg, register, self.read_only_fd.take(), tls);
         if let Some(lookup) = leader {
             link.follow_leader(lookup);
+            link.publish_membership(&cfg.election);
         }
         if let Some(board) = self.metrics.take() {
             link.publish_to(board, cfg);
