@@ -177,6 +177,11 @@ pub struct EventLoop {
     /// The lease this kvctld leads under, with `[election]`: nothing is admitted once its
     /// window closes.
     term: Option<super::leader::Term>,
+    /// The members in etcd, with `[election]`: a registered worker whose lease lapsed is
+    /// treated as lost.
+    members: Option<(super::members::Watcher, super::members::Lapses)>,
+    /// Workers treated as lost because their membership lapsed.
+    workers_lapsed: u64,
 }
 
 /// Why [`EventLoop::serve`] returned.
@@ -254,6 +259,8 @@ impl EventLoop {
             conn_counters: ConnCounters::default(),
             metrics: metrics.map(|m| (m, Instant::now())),
             term: None,
+            members: None,
+            workers_lapsed: 0,
         })
     }
 
@@ -261,6 +268,42 @@ impl EventLoop {
     /// fails every request and returns [`Ended::LostLeadership`].
     pub fn lead(&mut self, term: super::leader::Term) {
         self.term = Some(term);
+    }
+
+    /// Watches the members in etcd through `watcher`: a registered worker whose membership
+    /// lapsed is treated as lost.
+    pub fn watch_members(&mut self, watcher: super::members::Watcher) {
+        self.members = Some((watcher, super::members::Lapses::default()));
+    }
+
+    /// Closes the connection of every registered worker whose membership lapsed, as of the
+    /// newest sighting of the members: the core fails its requests, and the worker, seeing
+    /// its connection close, aborts what it holds before it registers again.
+    fn check_members(&mut self, now: Instant) {
+        let Some((watcher, lapses)) = &mut self.members else {
+            return;
+        };
+        let Some(sighting) = watcher.take() else {
+            return;
+        };
+        let workers = self.core.workers();
+        let registered = [
+            libkv::admission::Side::Prefill,
+            libkv::admission::Side::Decode,
+        ]
+        .into_iter()
+        .flat_map(|side| workers.iter(side).map(|(_, w)| (w.conn, w.id.as_str())));
+        let lapsed = lapses.check(now, registered, &sighting);
+        for (conn, why) in lapsed {
+            warn!("{why}; treating it as lost");
+            self.workers_lapsed += 1;
+            let msg = Message::from(proto::Error {
+                code: ErrorCode::WorkerLost,
+                message: format!("kvctld treats this worker as lost: {why}"),
+            });
+            self.send(conn, RequestId(0), &msg, Vec::new());
+            self.close(conn);
+        }
     }
 
     /// Whether this kvctld may admit at `now`: always without an election.
@@ -379,6 +422,7 @@ impl EventLoop {
                 self.accept();
             }
             self.expire_hellos(now);
+            self.check_members(now);
             if now >= self.next_idle_check {
                 self.next_idle_check = now + IDLE_CHECK;
                 self.expire_idle(now);
@@ -873,6 +917,7 @@ impl EventLoop {
                 ("connections_refused_full", c.refused_full),
                 ("connections_refused_no_fds", c.refused_no_fds),
                 ("connections_closed_idle", c.idle_closed),
+                ("workers_lapsed", self.workers_lapsed),
                 (
                     "tls_accepted",
                     self.tls_counters.accepted.load(Ordering::Relaxed),

@@ -9,7 +9,9 @@
 //!   I/O (events in, actions out), where the invariants are tested;
 //! - [`workers`]: the worker registry and the pairing policy;
 //! - [`event_loop`]: the control socket and the TLS listener, connections, peer
-//!   authentication, frames.
+//!   authentication, frames;
+//! - [`leader`] and [`members`] (with `[election]`): the campaign and lease in etcd, and the
+//!   workers' own leases there.
 //!
 //! This file starts them: the listening socket (bound, or passed by systemd), the optional
 //! coherence probe thread, then the loop until SIGTERM/SIGINT.
@@ -31,6 +33,7 @@ pub mod core;
 pub mod event_loop;
 pub mod latency;
 pub mod leader;
+pub mod members;
 pub mod workers;
 
 use self::core::{Core, CoreConfig};
@@ -170,6 +173,9 @@ pub fn run(cfg: Config) -> Result<(), CtlError> {
     };
     let socket = cfg.control.socket.clone();
     let core = Core::new(core_cfg, generation);
+    let watcher = leadership
+        .as_ref()
+        .and_then(|_| members::Watcher::start(&cfg.election));
     let mut event_loop =
         EventLoop::new(cfg, listener, core, probe, metrics).map_err(CtlError::Poll)?;
     if let Some(addr) = event_loop.listen_tls().map_err(CtlError::Tls)? {
@@ -177,6 +183,9 @@ pub fn run(cfg: Config) -> Result<(), CtlError> {
     }
     if let Some(l) = &leadership {
         event_loop.lead(l.term().clone());
+    }
+    if let Some(w) = watcher {
+        event_loop.watch_members(w);
     }
     let served = event_loop.serve();
     if let Some(identity) = bound {
