@@ -720,8 +720,11 @@ fn status(cli: &Cli) -> Result<(), Failure> {
     let (mut client, _) = connect(cli)?;
     let s = client.status()?;
     let workers = sorted_workers(&s);
+    let cluster = load_config(cli)?
+        .filter(|c| c.election.enabled())
+        .map(|c| cluster_json(&c, &s));
     if cli.json {
-        let value = json!({
+        let mut value = json!({
             "generation": s.generation.0,
             "max_context": s.max_context,
             "max_new_tokens": s.max_new_tokens,
@@ -729,6 +732,9 @@ fn status(cli: &Cli) -> Result<(), Failure> {
             "workers": workers.iter().map(|w| worker_json(&s, w)).collect::<Vec<_>>(),
             "counters": counters_json(&s.counters),
         });
+        if let Some(c) = cluster {
+            value["cluster"] = c;
+        }
         outln!("{value}");
         return Ok(());
     }
@@ -754,7 +760,118 @@ fn status(cli: &Cli) -> Result<(), Failure> {
         outln!("kvctld counters:");
         print_counters("  ", &s.counters);
     }
+    if let Some(c) = &cluster {
+        print_cluster(c);
+    }
     Ok(())
+}
+
+/// The cluster as etcd has it (`[election]`): the leader, and every member with whether the
+/// leader has it registered. An etcd out of reach is said in `error`, not a failure: the
+/// leader's own status was read.
+fn cluster_json(cfg: &Config, s: &StatusReply) -> serde_json::Value {
+    let etcd = cfg.election.etcd.clone().unwrap_or_default();
+    let mut out = json!({ "etcd": etcd });
+    if let Some(lookup) = libkv::leader::LeaderLookup::from_config(&cfg.election) {
+        match lookup.find() {
+            Ok(l) => out["leader"] = json!({ "addr": l.addr, "epoch": l.epoch }),
+            Err(e) => out["error"] = json!(error_chain(&e)),
+        }
+    }
+    let client = libkv::etcd::Etcd::new(etcd, libkv::leader::LOOKUP_TIMEOUT);
+    match libkv::members::list(&client, &cfg.election.members) {
+        Ok(members) => {
+            let registered = |id: &str| s.workers.iter().any(|w| w.id == id && w.connected);
+            out["members"] = members
+                .into_iter()
+                .map(|(id, m)| match m {
+                    Ok(m) => json!({
+                        "id": id,
+                        "role": m.role,
+                        "host": m.host,
+                        "pid": m.pid,
+                        "model": m.model,
+                        "pool_pages": m.pool_pages,
+                        "page_bytes": m.page_bytes,
+                        "transports": m.transports,
+                        "endpoint": m.endpoint,
+                        "registered": registered(&id),
+                    }),
+                    Err(text) => json!({ "id": id, "unreadable": text }),
+                })
+                .collect();
+        }
+        Err(e) => out["error"] = json!(error_chain(&e)),
+    }
+    out
+}
+
+fn print_cluster(c: &serde_json::Value) {
+    outln!(
+        "cluster in etcd at {}:",
+        c["etcd"].as_str().unwrap_or_default()
+    );
+    if let Some(l) = c.get("leader") {
+        outln!(
+            "  leader {} (epoch {})",
+            l["addr"].as_str().unwrap_or_default(),
+            l["epoch"]
+        );
+    }
+    if let Some(e) = c.get("error") {
+        outln!("  etcd: {}", e.as_str().unwrap_or_default());
+    }
+    let members = c["members"].as_array().cloned().unwrap_or_default();
+    if members.is_empty() {
+        outln!("  members: none published");
+        return;
+    }
+    let text = |m: &serde_json::Value, k: &str| m[k].as_str().unwrap_or("-").to_owned();
+    let width = members
+        .iter()
+        .map(|m| text(m, "id").len())
+        .max()
+        .unwrap_or(6)
+        .max(6);
+    outln!(
+        "  {:<width$}  {:<7}  {:<20}  {:>7}  {:>6}  {:<14}  {:<21}  registered",
+        "member",
+        "role",
+        "host",
+        "pid",
+        "pages",
+        "transports",
+        "endpoint"
+    );
+    for m in &members {
+        if let Some(bad) = m.get("unreadable") {
+            outln!("  {:<width$}  unreadable: {bad}", text(m, "id"));
+            continue;
+        }
+        let transports: Vec<String> = m["transports"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|t| t.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default();
+        outln!(
+            "  {:<width$}  {:<7}  {:<20}  {:>7}  {:>6}  {:<14}  {:<21}  {}",
+            text(m, "id"),
+            text(m, "role"),
+            text(m, "host"),
+            m["pid"],
+            m["pool_pages"],
+            transports.join(","),
+            text(m, "endpoint"),
+            if m["registered"].as_bool() == Some(true) {
+                "yes"
+            } else {
+                "no"
+            }
+        );
+    }
 }
 
 fn print_counters(indent: &str, counters: &[(String, u64)]) {
