@@ -25,7 +25,10 @@
 //!   the standby can win (before its lease expired at etcd), the standby leads, and once
 //!   the link is back there is still one leader;
 //! - **etcd stopped**: the leader stops admitting (it exits) once it cannot renew; when etcd
-//!   is back a kvctld leads again and serves.
+//!   is back a kvctld leads again and serves;
+//! - **membership**: `kvctl status` lists the leader and every worker as published in etcd;
+//!   a worker that stops renewing its own lease (SIGSTOP) is treated as lost by the leader,
+//!   and serves again after it registers anew.
 //!
 //! Needs root, `ip netns` and etcd; without them it says SKIPPED and passes (under CI a
 //! missing etcd fails). Build the binaries first (`cargo build --release --bins`). Bounded:
@@ -636,7 +639,97 @@ fn two_kvctld_elected_through_etcd_take_over_from_each_other() {
         String::from_utf8_lossy(&out.stdout).trim_end(),
         detokenize(&want.tokens).trim_end()
     );
-    wait_all_free(&cluster, back.unwrap());
+    let leader = back.unwrap();
+    wait_all_free(&cluster, leader);
+
+    // Membership: each worker published itself in etcd under its own lease; kvctl status
+    // on etcd's host lists the leader and both workers, registered with it.
+    let members = |cluster: &Cluster| {
+        let out = kvctl(cluster, &["status", "--json"]);
+        assert!(out.status.success(), "{out:?}\n{}", cluster.logs());
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status json");
+        v["cluster"].clone()
+    };
+    let listed = members(&cluster);
+    assert_eq!(
+        listed["leader"]["addr"],
+        format!("{}:7443", KVCTLD_HOSTS[leader]),
+        "{listed:#}"
+    );
+    let entry = |c: &serde_json::Value, id: &str| {
+        c["members"]
+            .as_array()
+            .and_then(|m| m.iter().find(|m| m["id"] == id).cloned())
+    };
+    for (i, (id, role)) in [("prefill-0", "prefill"), ("decode-0", "decode")]
+        .into_iter()
+        .enumerate()
+    {
+        let m = entry(&listed, id).unwrap_or_else(|| panic!("{id} not listed: {listed:#}"));
+        assert_eq!(m["role"], role, "{m:#}");
+        assert_eq!(m["registered"], true, "{m:#}");
+        assert_eq!(m["pid"], cluster.workers[i].id(), "{m:#}");
+    }
+    let prefill = entry(&listed, "prefill-0").unwrap();
+    assert_eq!(prefill["endpoint"], format!("{PREFILL_HOST}:7471"));
+    let text = kvctl(&cluster, &["status"]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("cluster in etcd") && text.contains("decode-0"),
+        "{text}"
+    );
+
+    // A worker that stops renewing its lease while its kvctld connection stays up (SIGSTOP:
+    // the kernel still answers for its sockets) is treated as lost once the lease lapses;
+    // once it runs again it registers anew and serves.
+    let decode_pid =
+        nix::unistd::Pid::from_raw(i32::try_from(cluster.workers[1].id()).expect("pid"));
+    kill(decode_pid, Signal::SIGSTOP).expect("stopping decoded");
+    let stopped = Instant::now();
+    let lost = wait_until(WAIT, || {
+        let s = cluster.status_of(leader)?;
+        let gone = !s.workers.iter().any(|w| w.id == "decode-0" && w.connected);
+        gone.then(|| stopped.elapsed())
+    });
+    let unlisted = wait_until(WAIT, || {
+        entry(&members(&cluster), "decode-0")
+            .is_none()
+            .then_some(())
+    });
+    let _ = kill(decode_pid, Signal::SIGCONT);
+    let Some(lost) = lost else {
+        panic!("a stopped decoded is still registered:\n{}", cluster.logs());
+    };
+    assert!(unlisted.is_some(), "{:#}", members(&cluster));
+    eprintln!(
+        "membership: a stopped worker was treated as lost after {} ms (lease {TTL_S} s)",
+        lost.as_millis()
+    );
+    assert!(
+        cluster.said(leader, "worker decode-0: its key in etcd") > 0,
+        "{}",
+        cluster.logs()
+    );
+    assert_eq!(
+        cluster.serving_leader(WAIT),
+        Some(leader),
+        "{}",
+        cluster.logs()
+    );
+    let listed = wait_until(WAIT, || {
+        let c = members(&cluster);
+        entry(&c, "decode-0")
+            .is_some_and(|m| m["registered"] == true)
+            .then_some(c)
+    });
+    assert!(listed.is_some(), "{:#}", members(&cluster));
+    let out = kvctl(&cluster, &generate);
+    assert!(out.status.success(), "{out:?}\n{}", cluster.logs());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim_end(),
+        detokenize(&want.tokens).trim_end()
+    );
+    wait_all_free(&cluster, leader);
 
     drop(cluster);
     assert!(begun.elapsed() < TEST_BOUND, "took {:?}", begun.elapsed());
