@@ -704,20 +704,44 @@ mod tests {
         // The connection drops; what answers next is a kvctld of an older generation (a
         // deposed one, reached at the same address): the worker registers nothing with it.
         drop(peer);
+        let old = libkv::Generation(GEN.0 - 1);
+        let ack = libkv::proto::HelloAck {
+            version: libkv::proto::PROTOCOL_VERSION,
+            generation: old,
+        };
         let mut peer = kvctld.accept();
         let (_, hello, _) = peer.recv();
         assert!(matches!(hello, Message::Hello(_)), "{hello:?}");
-        peer.send(
-            RequestId(0),
-            libkv::proto::HelloAck {
-                version: libkv::proto::PROTOCOL_VERSION,
-                generation: libkv::Generation(GEN.0 - 1),
-            },
-        );
+        peer.send(RequestId(0), ack.clone());
         peer.expect_closed();
-        // The kvctld of the newest generation is served again.
+        // Again, and it replays a command of its epoch right behind its answer, as a
+        // partitioned leader whose frames arrive late would. One write for both, so the
+        // worker closing on the first cannot fail the test's send.
+        let replay = PrefillRun {
+            owner: Owner {
+                request: RequestId(1),
+                generation: old,
+            },
+            prompt: libkv::model::tokenize(PROMPT),
+        };
+        let mut peer = kvctld.accept();
+        let (_, hello, _) = peer.recv();
+        assert!(matches!(hello, Message::Hello(_)), "{hello:?}");
+        let mut bytes = Message::from(ack).encode(RequestId(0)).unwrap();
+        bytes.extend(Message::from(replay).encode(RequestId(1)).unwrap());
+        peer.stream.write_all(&bytes).unwrap();
+        // Closed with nothing but pool reports: no PrefillDone, no Error naming the request.
+        peer.expect_closed();
+        // The kvctld of the newest generation is served again, and the old command never
+        // ran: nothing was prefilled and every page is free.
         let mut peer = kvctld.accept();
         peer.handshake(&cfg);
+        let report = peer
+            .report
+            .clone()
+            .expect("the PoolReport of the handshake");
+        assert_eq!(counter(&report, "prefill_runs"), 0);
+        assert_eq!(report.free, cfg.prefill.pool_pages);
         peer.send(RequestId(1), run_msg(1, PROMPT));
         assert!(matches!(peer.next_frame().1, Message::PrefillDone(_)));
         daemon.stop().unwrap();
