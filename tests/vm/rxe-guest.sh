@@ -11,6 +11,8 @@ export KVFENCE_RDMA_DEVICE=rxe0 KVFENCE_RDMA_GID_INDEX=$gid KVFENCE_RDMA_ADDR=$a
 export KVFENCE_NETEM_REQUIRED=1
 [ -f "$out/netfault-rounds" ] && KVFENCE_NETFAULT_ROUNDS=$(cat "$out/netfault-rounds") && export KVFENCE_NETFAULT_ROUNDS
 [ -f "$out/model-path" ] && KVFENCE_MODEL=$(cat "$out/model-path") && export KVFENCE_MODEL
+[ -f "$out/model-prompt-tokens" ] && KVFENCE_MODEL_PROMPT_TOKENS=$(cat "$out/model-prompt-tokens") \
+  && export KVFENCE_MODEL_PROMPT_TOKENS
 failed=0
 while read -r bin filter; do
   echo "rxe-guest: running $(basename "$bin") ${filter:-(all tests)}"

@@ -14,12 +14,13 @@
 #   --no-build  use the binaries cargo built last
 #   --no-setup  do not run tests/vm/setup.sh --rxe (the cache must be ready)
 #   --model     instead: the real model (SmolLM2-135M, scripts/fetch-model) through the stack
-#               over RDMA, every prompt against the monolithic path (tests/tests/real_model.rs);
+#               over RDMA, each prompt against the monolithic path (tests/tests/real_model.rs);
 #               slow under TCG, so not part of the default run (4 GiB, 2400 s by default)
 # Env: KVFENCE_VM_CACHE (default ~/.cache/kvfence-vm), KVFENCE_VM_TIMEOUT (whole VM, s, 300),
 #      KVFENCE_VM_MEM (MiB, 1024), KVFENCE_VM_CPUS (2), KVFENCE_VM_ACCEL (tcg | kvm: only where
 #      /dev/kvm is real VMX/SVM), KVFENCE_VM_KEEP=1 (keep the results directory on success),
-#      KVFENCE_NETFAULT_ROUNDS (rounds of the network fault campaign, 1).
+#      KVFENCE_NETFAULT_ROUNDS (rounds of the network fault campaign, 1),
+#      KVFENCE_MODEL_PROMPT_TOKENS (--model: only prompts of at most this many tokens; all).
 # Exit: 0 pass, 1 fail, 77 cannot run here (not x86_64, not root, no qemu and cannot install).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -83,6 +84,9 @@ out=$(mktemp -d -t kvfence-rxe.XXXXXX)
 if [ "$model" = 1 ]; then
   echo "$real over_rdma" > "$out/test-binaries"
   echo "$model_path" > "$out/model-path"
+  # every prompt, unless KVFENCE_MODEL_PROMPT_TOKENS caps their length for a host whose
+  # emulation is slow (the test still wants 8 of them)
+  [ -n "${KVFENCE_MODEL_PROMPT_TOKENS:-}" ] && echo "$KVFENCE_MODEL_PROMPT_TOKENS" > "$out/model-prompt-tokens"
   export KVFENCE_VM_MEM=${KVFENCE_VM_MEM:-4096} KVFENCE_VM_TIMEOUT=${KVFENCE_VM_TIMEOUT:-2400}
 else
   {
