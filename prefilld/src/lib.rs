@@ -719,10 +719,10 @@ mod tests {
         // worker closing on the first cannot fail the test's send.
         let replay = PrefillRun {
             owner: Owner {
-                request: RequestId(1),
                 generation: old,
+                ..owner(1)
             },
-            prompt: libkv::model::tokenize(PROMPT),
+            ..run_msg(1, PROMPT)
         };
         let mut peer = kvctld.accept();
         let (_, hello, _) = peer.recv();
