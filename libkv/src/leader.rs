@@ -6,7 +6,10 @@
 
 use crate::config::Election;
 use crate::etcd::{Etcd, EtcdError};
-use std::time::Duration;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 /// How long one lookup may take: a worker looks up only while kvctld is out of reach.
 pub const LOOKUP_TIMEOUT: Duration = Duration::from_secs(1);
@@ -73,4 +76,84 @@ pub enum LookupError {
     NoLeader { place: String },
     #[error("{place} is not an address")]
     BadValue { place: String },
+}
+
+/// Watches the leader's key from a thread of its own, so that a worker registered with one
+/// kvctld notices when etcd names a newer one. A leader that is stopped (SIGSTOP, a hung
+/// host) keeps its TCP connections open: the kernel still answers keepalives, and only
+/// etcd, where its lease lapses and a standby's key appears, says it no longer leads.
+///
+/// Every `every` the thread reads the key; when the epoch it finds is newer than any seen
+/// before it records it and wakes the worker's loop, which leaves the old kvctld
+/// ([`crate::worker::Link`]). Errors (etcd out of reach, no leader for a moment) change
+/// nothing: the worker stays where it is, and its lease keeps it listed or not.
+#[derive(Debug)]
+pub struct LeaderWatch {
+    newest: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl LeaderWatch {
+    /// Starts watching through `lookup` every `every`, waking `wake` whenever a newer epoch
+    /// appears. `None` if the thread cannot start (the worker then learns of a new leader
+    /// only when its connection ends, as before).
+    pub fn start(
+        lookup: LeaderLookup,
+        every: Duration,
+        wake: impl Fn() + Send + 'static,
+    ) -> Option<LeaderWatch> {
+        let newest = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (newest, stop) = (Arc::clone(&newest), Arc::clone(&stop));
+            std::thread::Builder::new()
+                .name("leader-watch".into())
+                .spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        if let Ok(leader) = lookup.find()
+                            && newest.fetch_max(leader.epoch, Ordering::SeqCst) < leader.epoch
+                        {
+                            wake();
+                        }
+                        // sleep in short steps so that a stop is quick
+                        let until = Instant::now() + every;
+                        while !stop.load(Ordering::Relaxed) {
+                            let left = until.saturating_duration_since(Instant::now());
+                            if left.is_zero() {
+                                break;
+                            }
+                            std::thread::sleep(left.min(Duration::from_millis(50)));
+                        }
+                    }
+                })
+                .map_err(|e| log::warn!("cannot start the leader watch: {e}"))
+                .ok()?
+        };
+        Some(LeaderWatch {
+            newest,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// The newest epoch etcd named since the watch started (0: none read yet).
+    pub fn newest(&self) -> u64 {
+        self.newest.load(Ordering::SeqCst)
+    }
+
+    /// How often a worker with an election of lease `ttl` reads the key: a tenth of the
+    /// TTL, so that it follows a new leader well within a second of etcd naming it.
+    pub fn interval(ttl: Duration) -> Duration {
+        (ttl / 10).clamp(Duration::from_millis(50), Duration::from_millis(500))
+    }
+}
+
+impl Drop for LeaderWatch {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }

@@ -253,6 +253,10 @@ pub struct Link {
     /// Finds the leading kvctld in etcd before each connection (`[election]`); `tls` then
     /// reaches the address found.
     leader: Option<crate::leader::LeaderLookup>,
+    /// How often the leader's key is read while registered (a tenth of the election's TTL).
+    watch_every: Duration,
+    /// Reads the leader's key while the loop runs, to leave a kvctld etcd no longer names.
+    watch: Option<crate::leader::LeaderWatch>,
     /// The newest kvctld generation registered with, or named leader by etcd: an older
     /// kvctld is never served.
     fence: crate::fence::EpochFence,
@@ -292,6 +296,8 @@ impl Link {
             socket: cfg.control.socket.clone(),
             tls,
             leader: None,
+            watch_every: Duration::ZERO,
+            watch: None,
             fence: crate::fence::EpochFence::new(),
             register,
             register_fd,
@@ -321,9 +327,41 @@ impl Link {
     }
 
     /// Connects to the leader `lookup` finds in etcd (over the link's TLS connector)
-    /// instead of a fixed address.
-    pub fn follow_leader(&mut self, lookup: crate::leader::LeaderLookup) {
+    /// instead of a fixed address, and, while registered, leaves a kvctld as soon as etcd
+    /// names a newer leader (read every tenth of `ttl`, the election's lease).
+    pub fn follow_leader(&mut self, lookup: crate::leader::LeaderLookup, ttl: Duration) {
         self.leader = Some(lookup);
+        self.watch_every = crate::leader::LeaderWatch::interval(ttl);
+    }
+
+    /// Starts reading the leader's key (when following one), waking the loop through
+    /// `waker` when a newer leader appears.
+    fn start_watch(&mut self, waker: &Arc<Waker>) {
+        let Some(lookup) = self.leader.clone() else {
+            return;
+        };
+        let waker = Arc::clone(waker);
+        self.watch = crate::leader::LeaderWatch::start(lookup, self.watch_every, move || {
+            let _ = waker.wake();
+        });
+    }
+
+    /// Leaves the kvctld this worker registered with once etcd names a newer leader: a
+    /// leader that stopped (SIGSTOP, a hung host) keeps its connections open, and every
+    /// request would fail until it ran again. What the worker holds is aborted as on any
+    /// lost connection; it then registers with the leader etcd names.
+    fn leave_deposed(&mut self, registry: &Registry, out: &mut Vec<LinkEvent>) {
+        let (Some(watch), Stage::Ready { generation }) = (&self.watch, self.stage) else {
+            return;
+        };
+        let newest = watch.newest();
+        if newest > generation.0 {
+            let reason = format!(
+                "etcd names a newer leader (generation {newest}; this kvctld's is {})",
+                generation.0
+            );
+            self.lose(registry, &reason, out);
+        }
     }
 
     /// Publishes this worker among the members in etcd for as long as the link lives.
@@ -961,6 +999,7 @@ pub fn serve(
     worker: &mut impl Worker,
     opts: &RunOptions,
 ) -> Result<(), LinkError> {
+    link.start_watch(&waker);
     opts.shutdown.attach(waker);
     let mut signals = if opts.handle_signals {
         let mut s = Signals::new([SIGTERM, SIGINT]).map_err(LinkError::Signals)?;
@@ -1046,6 +1085,8 @@ pub fn serve(
             link.on_readable(poll.registry(), &mut out);
             dispatch(&mut link, worker, &mut out);
         }
+        link.leave_deposed(poll.registry(), &mut out);
+        dispatch(&mut link, worker, &mut out);
         worker.on_wake(&mut link);
         link.flush(poll.registry(), &mut out);
         dispatch(&mut link, worker, &mut out);

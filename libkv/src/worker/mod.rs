@@ -414,7 +414,7 @@ impl Startup {
         .map_err(WorkerError::Tls)?;
         let mut link = Link::new(cfg, register, self.read_only_fd.take(), tls);
         if let Some(lookup) = leader {
-            link.follow_leader(lookup);
+            link.follow_leader(lookup, cfg.election.ttl());
             link.publish_membership(&cfg.election);
         }
         if let Some(board) = self.metrics.take() {
