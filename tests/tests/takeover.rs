@@ -21,6 +21,9 @@
 //!   every request either equals the monolithic path or fails with a retryable error, and
 //!   no page is left held. Each takeover's time is printed (`takeover:` lines; a summary
 //!   with the median and maximum): a benchmark, not a timed assertion;
+//! - **SIGSTOP**: the leader is stopped for 30 s under load; the workers leave it as soon
+//!   as etcd names the standby (they watch the leader's key), requests are served during
+//!   the stop (`sigstop:` line: how soon, how many), and once resumed the old leader exits;
 //! - **partition**: the leader's link goes down; it fails what it holds and exits before
 //!   the standby can win (before its lease expired at etcd), the standby leads, and once
 //!   the link is back there is still one leader;
@@ -62,6 +65,8 @@ const TTL_S: u32 = 2;
 const KILLS: usize = 20;
 /// Generous: a takeover that has not happened by then never will.
 const WAIT: Duration = Duration::from_secs(30);
+/// How long the leader is stopped (SIGSTOP) under load.
+const STOP_FOR: Duration = Duration::from_secs(30);
 const TEST_BOUND: Duration = Duration::from_secs(600);
 
 /// The lan's host index of each role.
@@ -142,6 +147,13 @@ impl Cluster {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+
+    /// The process id of kvctld `i`, which must be running.
+    fn kvctld_pid(&self, i: usize) -> nix::unistd::Pid {
+        let all = self.kvctld.lock().unwrap();
+        let pid = all[i].as_ref().expect("kvctld running").id();
+        nix::unistd::Pid::from_raw(i32::try_from(pid).expect("pid"))
     }
 
     /// Whether kvctld `i` has exited on its own by now (reaped if so).
@@ -336,10 +348,13 @@ fn load<'a>(
     for t in 0..2 {
         s.spawn(move || {
             let mut n = t;
+            // the kvctld that answered last is asked first: a stopped one costs a
+            // handshake's timeout each time it is tried
+            let mut last = 0;
             while !stop.load(Ordering::Relaxed) {
                 let (prompt, max_new, want) = &jobs[n % jobs.len()];
                 n += 1;
-                let leader = (0..2).find(|&i| {
+                let leader = [last, 1 - last].into_iter().find(|&i| {
                     cluster.socket(i).exists() && {
                         Client::connect(&cluster.socket(i), Duration::from_secs(1)).is_ok()
                     }
@@ -348,6 +363,7 @@ fn load<'a>(
                     thread::sleep(Duration::from_millis(20));
                     continue;
                 };
+                last = i;
                 let out = Client::connect(&cluster.socket(i), Duration::from_secs(2))
                     .and_then(|mut c| c.generate("acme", prompt, *max_new, 10_000, |_| {}));
                 let mut seen = seen.lock().unwrap();
@@ -540,6 +556,112 @@ fn two_kvctld_elected_through_etcd_take_over_from_each_other() {
             cluster.logs()
         );
     }
+
+    // SIGSTOP of the leader under load, for STOP_FOR: a stopped process keeps its sockets
+    // open (the kernel still answers for them) and renews nothing. Its lease lapses, the
+    // standby wins, and the workers leave the stopped leader as soon as etcd names the new
+    // one, so requests are served through the stop. Once it runs again it finds its lease
+    // gone and exits.
+    let standby = 1 - leader;
+    let stopped_pid = cluster.kvctld_pid(leader);
+    let stop = AtomicBool::new(false);
+    let seen = Mutex::new(Seen::default());
+    let (led, moved, served, during) = thread::scope(|s| {
+        load(s, &cluster, &jobs, &stop, &seen);
+        let before = seen.lock().unwrap().equal;
+        let _ = wait_until(WAIT, || (seen.lock().unwrap().equal > before).then_some(()));
+        kill(stopped_pid, Signal::SIGSTOP).expect("stopping the leader");
+        let t0 = Instant::now();
+        let at_stop = seen.lock().unwrap().equal;
+        let led = wait_until(STOP_FOR, || {
+            cluster.status_of(standby).map(|_| t0.elapsed())
+        });
+        let moved = wait_until(STOP_FOR.saturating_sub(t0.elapsed()), || {
+            let s = cluster.status_of(standby)?;
+            both_registered(&s).then(|| t0.elapsed())
+        });
+        // A new client after the move is served by the standby. (The load's requests that
+        // were on the stopped leader fail retryably at their deadline.)
+        let (prompt, max_new, want) = &jobs[0];
+        let served = moved.and_then(|_| {
+            wait_until(STOP_FOR.saturating_sub(t0.elapsed()), || {
+                let out = Client::connect(&cluster.socket(standby), Duration::from_secs(1))
+                    .and_then(|mut c| c.generate("acme", prompt, *max_new, 10_000, |_| {}))
+                    .ok()?;
+                (out.tokens == want.tokens).then(|| t0.elapsed())
+            })
+        });
+        // requests served by each second of the stop, for the log
+        let mut by_second = Vec::new();
+        while t0.elapsed() < STOP_FOR {
+            thread::sleep(Duration::from_secs(1).min(STOP_FOR.saturating_sub(t0.elapsed())));
+            by_second.push(seen.lock().unwrap().equal - at_stop);
+        }
+        eprintln!("sigstop: requests served by each second of the stop: {by_second:?}");
+        let during = seen.lock().unwrap().equal - at_stop;
+        kill(stopped_pid, Signal::SIGCONT).expect("resuming the leader");
+        stop.store(true, Ordering::Relaxed);
+        (led, moved, served, during)
+    });
+    let seen = seen.into_inner().unwrap();
+    assert!(
+        seen.wrong.is_empty(),
+        "{:#?}\n{}",
+        seen.wrong,
+        cluster.logs()
+    );
+    let (Some(led), Some(moved), Some(served)) = (led, moved, served) else {
+        panic!(
+            "SIGSTOP of kvctld {leader} for {} s: the workers stayed with it (standby \
+             led {led:?}, moved {moved:?}, served again {served:?}, {during} requests served):\n{}",
+            STOP_FOR.as_secs(),
+            cluster.logs()
+        );
+    };
+    eprintln!(
+        "sigstop: leader stopped for {} s under load (lease {TTL_S} s): kvctld {standby} leads \
+         after {} ms, both workers with it after {} ms, a new request served after {} ms (goal: < TTL + 1 s \
+         = {} ms); {during} requests served during the stop, {} failed retryably",
+        STOP_FOR.as_secs(),
+        led.as_millis(),
+        moved.as_millis(),
+        served.as_millis(),
+        (TTL_S + 1) * 1000,
+        seen.retryable
+    );
+    assert!(
+        during > 0,
+        "nothing served during the stop:\n{}",
+        cluster.logs()
+    );
+    for w in ["prefill-0", "decode-0"] {
+        assert!(
+            cluster.log(w).contains("etcd names a newer leader"),
+            "{w} did not leave the stopped leader for etcd's:\n{}",
+            cluster.logs()
+        );
+    }
+    // Running again, the old leader finds its lease gone: it exits, and stands by anew.
+    let gone = wait_until(WAIT, || cluster.exited(leader).then_some(()));
+    assert!(
+        gone.is_some(),
+        "the resumed leader kept running:\n{}",
+        cluster.logs()
+    );
+    assert_eq!(
+        cluster.serving_leader(WAIT),
+        Some(standby),
+        "{}",
+        cluster.logs()
+    );
+    let said = cluster.said(leader, "standby:");
+    cluster.start_kvctld(leader);
+    let standing_by = wait_until(WAIT, || {
+        (cluster.said(leader, "standby:") > said).then_some(())
+    });
+    assert!(standing_by.is_some(), "{}", cluster.logs());
+    wait_all_free(&cluster, standby);
+    leader = standby;
 
     // Partition: the leader's host is cut off. Its renewals fail; it stops admitting and
     // exits before its lease can have expired at etcd (the standby cannot win before that).
