@@ -16,6 +16,10 @@
 //!   drained go to the other workers, and it exits 0 once idle, before its drain deadline.
 //! - `kvctl drain` (`Client::drain`) keeps new requests off a worker while it stays
 //!   connected, and `undrain` brings it back: kvctld's `served` counts tell.
+//! - `kvctl drain ID --wait` while requests are in flight on ID, then SIGKILL of ID: kvctl
+//!   exits 5 naming the loss and how many requests failed (as many as the clients saw fail
+//!   with `WorkerLost`), never 0 with "safe to stop"; `status --json` shows the lost worker
+//!   not safe to stop.
 //!
 //! The binaries come from this test's target directory: `cargo build --release --bins`
 //! first for `cargo test --release`. Every wait is bounded and every request has a deadline.
@@ -23,14 +27,16 @@
 use kvctld::client::{ClientError, GenerateOutcome};
 use kvctld::stack::{Stack, StackError, error_chain, find_worker, wait_until};
 use kvfence_tests::{
-    Job, all_worker_ids, assert_matches, counter, expected, model, prompt, serves_again,
+    Job, all_worker_ids, assert_matches, bin_dir, counter, expected, model, prompt, serves_again,
     start_stack, under_load, wait_all_free,
 };
 use libkv::config::Config;
 use libkv::model::ReferenceModel;
 use libkv::proto::{ErrorCode, Role};
 use nix::sys::signal::Signal;
+use std::io::Read;
 use std::os::unix::process::ExitStatusExt;
+use std::process::{Command, Stdio};
 use std::sync::Barrier;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -732,5 +738,156 @@ fn kvctl_drain_keeps_new_requests_off_a_worker_and_undrain_brings_it_back() {
     });
     assert!(back, "{drained:?} served nothing once undrained");
     wait_all_free(stack, &ids, Duration::from_secs(5));
+    assert!(begun.elapsed() < TEST_BOUND, "took {:?}", begun.elapsed());
+}
+
+/// Runs kvctl against the stack's socket and returns its exit code and output.
+fn kvctl(stack: &Stack, args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(bin_dir().join("kvctl"))
+        .arg("--socket")
+        .arg(stack.socket())
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("running kvctl");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
+}
+
+#[test]
+fn drain_wait_fails_when_the_worker_is_lost_before_it_is_idle() {
+    let begun = Instant::now();
+    let victim = "decode-1";
+    let mut run = start_stack("kvdrainlost.", 1, 2, |c| {
+        c.deadlines.request = 20_000;
+    });
+    let stack = &mut run.stack;
+    let socket = stack.socket().to_path_buf();
+    let ((code, text, in_flight, json), attempts) =
+        under_load(&socket, 6, 400, 20_000, decode_heavy, |attempts| {
+            let warm = wait_until(Duration::from_secs(20), || {
+                let a = attempts.lock().expect("attempts");
+                (a.iter().filter(|a| a.result.is_ok()).count() >= 4).then_some(())
+            });
+            assert!(warm.is_some(), "the load did not get going within 20 s");
+            // Stopped while requests are on it, the victim holds them until it is killed.
+            let mut in_flight = 0;
+            for _ in 0..20 {
+                let busy = wait_until(Duration::from_secs(10), || {
+                    let s = stack.status().ok()?;
+                    find_worker(&s, victim)
+                        .is_some_and(|w| w.connected && w.in_flight >= 1)
+                        .then_some(())
+                });
+                assert!(
+                    busy.is_some(),
+                    "no request in flight on {victim} within 10 s"
+                );
+                stack.signal(victim, Signal::SIGSTOP).expect("SIGSTOP");
+                let s = stack.status().expect("status");
+                in_flight = find_worker(&s, victim).map_or(0, |w| w.in_flight);
+                if in_flight >= 1 {
+                    break;
+                }
+                stack.signal(victim, Signal::SIGCONT).expect("SIGCONT");
+            }
+            assert!(
+                in_flight >= 1,
+                "{victim} was never stopped with a request on it"
+            );
+            let mut drain = Command::new(bin_dir().join("kvctl"))
+                .arg("--socket")
+                .arg(stack.socket())
+                .args(["drain", victim, "--wait", "--timeout-ms", "30000"])
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("running kvctl drain");
+            let drained = wait_until(Duration::from_secs(10), || {
+                let s = stack.status().ok()?;
+                find_worker(&s, victim)
+                    .is_some_and(|w| w.drain)
+                    .then_some(())
+            });
+            assert!(drained.is_some(), "kvctld did not show {victim} drained");
+            // kvctl is waiting; nothing on the stopped victim can finish.
+            thread::sleep(Duration::from_millis(300));
+            assert!(
+                drain.try_wait().expect("kvctl").is_none(),
+                "kvctl drain --wait ended while {victim} was stopped with requests on it"
+            );
+            stack.kill(victim).expect("SIGKILL");
+            let status = kvfence_tests::ops::wait_exit(&mut drain, Duration::from_secs(10));
+            let _ = drain.kill();
+            let mut text = String::new();
+            for pipe in [
+                drain.stdout.take().map(|p| Box::new(p) as Box<dyn Read>),
+                drain.stderr.take().map(|p| Box::new(p) as Box<dyn Read>),
+            ]
+            .into_iter()
+            .flatten()
+            {
+                let mut p = pipe;
+                p.read_to_string(&mut text).expect("kvctl output");
+            }
+            let status = status.unwrap_or_else(|| {
+                panic!("kvctl drain --wait did not end 10 s after {victim} was killed: {text}")
+            });
+            let (_, json) = kvctl(stack, &["--json", "status"]);
+            (status.code(), text, in_flight, json)
+        });
+    // The clients' side of the loss.
+    let lost_msg = format!("the decode worker {victim} was lost");
+    let failed_lost = attempts
+        .iter()
+        .filter(|a| {
+            matches!(&a.result, Err(ClientError::Server { code: ErrorCode::WorkerLost, message })
+                if message.contains(&lost_msg))
+        })
+        .count();
+    assert!(
+        failed_lost >= 1,
+        "no client saw a request fail with WorkerLost for {victim}; kvctl said: {text}"
+    );
+    assert_eq!(
+        code,
+        Some(5),
+        "kvctl drain --wait after {victim} was killed with {in_flight} request(s) on it: {text}"
+    );
+    assert!(
+        !text.contains("safe to stop"),
+        "kvctl called a killed worker safe to stop: {text}"
+    );
+    assert!(
+        text.contains(&format!("{victim} was lost while draining"))
+            && text.contains(&format!("{failed_lost} requests in flight on it failed")),
+        "kvctl did not name the loss and the {failed_lost} failed request(s): {text}"
+    );
+    let v: serde_json::Value = serde_json::from_str(json.trim()).expect("status --json");
+    let w = v["workers"]
+        .as_array()
+        .and_then(|ws| ws.iter().find(|w| w["id"] == victim))
+        .unwrap_or_else(|| panic!("status --json does not list {victim}: {json}"));
+    assert_eq!(w["connected"], false, "{w}");
+    assert_eq!(
+        w["safe_to_stop"], false,
+        "a lost worker listed safe to stop: {w}"
+    );
+    assert_eq!(
+        w["counters"]["failed_when_lost"],
+        serde_json::json!(failed_lost),
+        "{w}"
+    );
+    // Started again it stays drained (the operator's drain) until undrained, then serves.
+    stack.restart(victim).expect("restart");
+    let (code, text) = kvctl(stack, &["undrain", victim]);
+    assert_eq!(code, Some(0), "{text}");
+    serves_again(stack, &model(stack), victim);
+    wait_all_free(stack, &all_worker_ids(stack), Duration::from_secs(10));
     assert!(begun.elapsed() < TEST_BOUND, "took {:?}", begun.elapsed());
 }

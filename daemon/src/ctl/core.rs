@@ -765,6 +765,7 @@ impl Core {
             .filter(|(_, r)| r.pair.is_some_and(|(p, d)| p == key || d == key))
             .map(|(id, _)| *id)
             .collect();
+        self.workers.lost_failed(&w.id, hit.len() as u64);
         for id in hit {
             self.counters.worker_lost += 1;
             let msg = format!("the {} worker {} was lost", w.side, w.id);
@@ -1491,7 +1492,8 @@ impl Core {
         Some(status_of(w, self.cfg.geometry.tokens_per_page))
     }
 
-    /// kvctld's status: every worker (lost ones as not connected), counters, limits.
+    /// kvctld's status: every worker (lost ones as not connected, with the one counter
+    /// [`proto::FAILED_WHEN_LOST`]), counters, limits.
     pub fn status(&self, extra: &[(String, u64)]) -> StatusReply {
         let tpp = self.cfg.geometry.tokens_per_page;
         let mut workers = Vec::new();
@@ -1510,7 +1512,7 @@ impl Core {
                 held_pages: 0,
                 transports: Vec::new(),
                 served: 0,
-                counters: Vec::new(),
+                counters: vec![(proto::FAILED_WHEN_LOST.into(), lost.failed)],
                 pool_pages: 0,
                 tokens_per_page: tpp,
                 free: 0,

@@ -97,6 +97,8 @@ pub struct Lost {
     pub side: Side,
     /// An operator had drained it (not: it drained itself to stop).
     pub drain: bool,
+    /// Requests in flight on it that failed because it was lost.
+    pub failed: u64,
 }
 
 /// Every registered worker, by role.
@@ -214,9 +216,17 @@ impl Workers {
             Lost {
                 side: w.side,
                 drain: w.operator_drain,
+                failed: 0,
             },
         );
         Some(w)
+    }
+
+    /// Records that `failed` requests failed because the worker `id` was lost.
+    pub fn lost_failed(&mut self, id: &str, failed: u64) {
+        if let Some(lost) = self.lost.get_mut(id) {
+            lost.failed += failed;
+        }
     }
 
     /// Every live worker of `side`, with its key.

@@ -540,11 +540,32 @@ pub struct WorkerStatus {
     pub draining: u32,
 }
 
+/// The one counter of a lost worker's [`WorkerStatus`]: how many requests in flight on it
+/// failed (`WorkerLost`) because it was lost.
+pub const FAILED_WHEN_LOST: &str = "failed_when_lost";
+
 impl WorkerStatus {
-    /// Whether nothing runs on the worker and no page is lent against its pool: a drained
-    /// worker that is idle is safe to stop.
+    /// Whether nothing runs on the worker and no page is lent against its pool. A lost
+    /// worker is idle too: what ran on it failed.
     pub fn idle(&self) -> bool {
         self.in_flight == 0 && self.held_pages == 0
+    }
+
+    /// Whether an operator may stop the worker now: connected, drained and idle, so that
+    /// stopping it fails no request.
+    pub fn safe_to_stop(&self) -> bool {
+        self.connected && self.drain && self.idle()
+    }
+
+    /// For a lost worker, the requests that failed because it was lost.
+    pub fn failed_when_lost(&self) -> Option<u64> {
+        if self.connected {
+            return None;
+        }
+        self.counters
+            .iter()
+            .find(|(name, _)| name == FAILED_WHEN_LOST)
+            .map(|&(_, n)| n)
     }
 
     pub(super) fn check(&self) -> Check {

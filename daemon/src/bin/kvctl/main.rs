@@ -16,7 +16,8 @@
 //! `status` lists every worker kvctld knows (id, role, pool, requests in flight, drain
 //! state, whether it is idle: a drained worker that is idle is safe to stop). `drain` keeps
 //! new requests off a worker, `--wait` then waits until it is idle (exit 4 if it is not by
-//! the timeout); `undrain` takes it back. `top` ([`top`]) refreshes the workers, their
+//! the timeout, exit 5 if the worker is lost first: what ran on it failed); `undrain` takes
+//! it back. `top` ([`top`]) refreshes the workers, their
 //! pages by state, request rates and mean stage latencies every interval.
 //!
 //! Exit codes (see `kvctld::client::exit`): 0 ok, 1 usage or bad request, 3 rejected,
@@ -78,7 +79,8 @@ Commands for operators:
                                 worker's pages by state (free, reserved, writing, readable,
                                 draining) and requests served per second
   kvctl drain ID --wait         keep new requests off worker ID and wait until it is idle,
-                                then stop it (systemctl stop prefilld@ID)
+                                then stop it (systemctl stop prefilld@ID); exit 5 if it is
+                                lost before (its requests in flight failed)
   kvctl undrain ID              let new requests reach worker ID again
                                 (drain and undrain: root, kvctld's user or a uid of
                                 [control] worker_uids; others are refused, exit 6)
@@ -697,7 +699,7 @@ fn worker_json(s: &StatusReply, w: &WorkerStatus) -> serde_json::Value {
         "connected": w.connected,
         "drain": w.drain,
         "idle": w.idle(),
-        "safe_to_stop": w.drain && w.idle(),
+        "safe_to_stop": w.safe_to_stop(),
         "state": worker_state(w),
         "in_flight": w.in_flight,
         "held_pages": w.held_pages,
@@ -979,7 +981,7 @@ fn drain(cli: &Cli, id: &str, wait: bool, timeout_ms: Option<u64>) -> Result<(),
     );
     let mut last = None;
     if wait {
-        while !w.idle() {
+        while w.connected && !w.idle() {
             if start.elapsed() >= timeout {
                 let message = format!(
                     "{id} is drained but not idle after {} ms: {} requests in flight, {} pages held",
@@ -1007,6 +1009,9 @@ fn drain(cli: &Cli, id: &str, wait: bool, timeout_ms: Option<u64>) -> Result<(),
                     format!("kvctld no longer lists worker {id} (it was drained)"),
                 ));
             };
+            if !now.connected {
+                return Err(lost_while_draining(cli, &s, &now, start));
+            }
             w = now;
             last = Some(s);
         }
@@ -1038,6 +1043,28 @@ fn drain(cli: &Cli, id: &str, wait: bool, timeout_ms: Option<u64>) -> Result<(),
         );
     }
     Ok(())
+}
+
+/// `drain --wait` saw the worker lost before it was idle: what was in flight on it failed,
+/// so stopping it was not safe.
+fn lost_while_draining(cli: &Cli, s: &StatusReply, w: &WorkerStatus, start: Instant) -> Failure {
+    let failed = w
+        .failed_when_lost()
+        .map_or_else(|| "its requests".to_string(), |n| format!("{n} requests"));
+    let message = format!(
+        "{} was lost while draining, after {} ms and before it was idle: {failed} in flight \
+         on it failed (WorkerLost)",
+        w.id,
+        start.elapsed().as_millis()
+    );
+    let failure = Failure::new(exit::FAILED, message);
+    if cli.json {
+        let mut v = failure.json();
+        v["worker"] = worker_json(s, w);
+        outln!("{v}");
+        return failure.reported();
+    }
+    failure
 }
 
 fn undrain(cli: &Cli, id: &str) -> Result<(), Failure> {
