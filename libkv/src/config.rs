@@ -229,8 +229,18 @@ pub enum ConfigError {
     )]
     BadListen { addr: String },
 
-    #[error("metrics.listen {addr:?} is not IP:PORT (e.g. \"127.0.0.1:9470\")")]
-    BadMetricsListen { addr: String },
+    #[error("metrics.{key} {addr:?} is not IP:PORT (e.g. \"127.0.0.1:9470\")")]
+    BadMetricsListen { key: &'static str, addr: String },
+
+    #[error(
+        "metrics.{key} and metrics.{other} are both {addr}: each daemon reading this file \
+         needs an address of its own (or port 0)"
+    )]
+    SharedMetricsListen {
+        key: &'static str,
+        other: &'static str,
+        addr: SocketAddr,
+    },
 
     #[error("[openai] {reason}")]
     BadOpenAi { reason: String },
@@ -1004,29 +1014,79 @@ impl RdmaConfig {
     }
 }
 
-/// The optional `[metrics]` section: where the daemon reading this file answers
-/// `GET /metrics` (Prometheus text exposition): kvctld with its own counters and every
-/// worker's pool, by worker; prefilld and decoded with their own pool and counters. Off by
-/// default. Daemons on one host need addresses of their own (one file each, as the systemd
-/// units have), or port 0 for any free port (logged as `metrics on http://ADDR/metrics`).
+/// The optional `[metrics]` section: where each daemon reading this file answers
+/// `GET /metrics` (Prometheus text exposition). `listen` is kvctld's, with its own counters
+/// and every worker's pool, by worker; `prefill_listen` and `decode_listen` are those of the
+/// prefilld and the decoded reading this file, with their own pool and counters
+/// (`--metrics-listen` overrides them). Each is off when unset, so that one file can serve
+/// kvctld and a pair of workers on one host, as install.sh links it. Addresses given must
+/// differ (port 0 takes any free port, logged as `metrics on http://ADDR/metrics`).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Metrics {
-    /// `IP:PORT` of the HTTP listener (loopback unless Prometheus scrapes from elsewhere).
+    /// kvctld's `IP:PORT` (loopback unless Prometheus scrapes from elsewhere).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub listen: Option<String>,
+    /// The prefill worker's `IP:PORT`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_listen: Option<String>,
+    /// The decode worker's `IP:PORT`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decode_listen: Option<String>,
 }
 
 impl Metrics {
-    /// The address to listen on, or `None` when metrics are off.
+    /// kvctld's address, or `None` when its metrics are off.
     pub fn listen_addr(&self) -> Result<Option<SocketAddr>, ConfigError> {
-        match &self.listen {
-            None => Ok(None),
-            Some(text) => match text.parse::<SocketAddr>() {
-                Ok(addr) if !addr.ip().is_multicast() => Ok(Some(addr)),
-                _ => Err(ConfigError::BadMetricsListen { addr: text.clone() }),
-            },
+        parse_metrics_addr("listen", self.listen.as_deref())
+    }
+
+    /// The address of the worker of `side`, or `None` when its metrics are off.
+    pub fn worker_addr(&self, side: Side) -> Result<Option<SocketAddr>, ConfigError> {
+        match side {
+            Side::Prefill => parse_metrics_addr("prefill_listen", self.prefill_listen.as_deref()),
+            Side::Decode => parse_metrics_addr("decode_listen", self.decode_listen.as_deref()),
         }
+    }
+
+    /// Each address parses, and no two name the same fixed port.
+    fn validate(&self) -> Result<(), ConfigError> {
+        let addrs = [
+            ("listen", self.listen_addr()?),
+            ("prefill_listen", self.worker_addr(Side::Prefill)?),
+            ("decode_listen", self.worker_addr(Side::Decode)?),
+        ];
+        for (i, &(key, a)) in addrs.iter().enumerate() {
+            for &(other, b) in &addrs[i + 1..] {
+                if let (Some(a), Some(b)) = (a, b)
+                    && a == b
+                    && a.port() != 0
+                {
+                    return Err(ConfigError::SharedMetricsListen {
+                        key,
+                        other,
+                        addr: a,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn parse_metrics_addr(
+    key: &'static str,
+    text: Option<&str>,
+) -> Result<Option<SocketAddr>, ConfigError> {
+    match text {
+        None => Ok(None),
+        Some(text) => match text.parse::<SocketAddr>() {
+            Ok(addr) if !addr.ip().is_multicast() => Ok(Some(addr)),
+            _ => Err(ConfigError::BadMetricsListen {
+                key,
+                addr: text.to_owned(),
+            }),
+        },
     }
 }
 
@@ -1179,7 +1239,7 @@ impl Config {
         if self.transfer.transport == TransportKind::Rdma && self.rdma.is_none() {
             return Err(ConfigError::RdmaSectionMissing);
         }
-        self.metrics.listen_addr()?;
+        self.metrics.validate()?;
         self.openai.validate()?;
         self.tls.validate()?;
         self.election.validate(&self.tls)?;
@@ -1350,6 +1410,43 @@ mod tests {
                 out.push(path);
             }
         }
+    }
+
+    #[test]
+    fn metrics_addresses_are_one_per_daemon() {
+        let base = minimal(16, 1024, 64, 64, 68);
+        let with = |m: &str| Config::from_toml_str(&format!("{base}\n[metrics]\n{m}\n"));
+        let c = with("listen = \"127.0.0.1:9470\"").unwrap();
+        assert_eq!(
+            c.metrics.listen_addr().unwrap(),
+            Some("127.0.0.1:9470".parse().unwrap())
+        );
+        // kvctld's address is not a worker's: one file serves all three.
+        assert_eq!(c.metrics.worker_addr(Side::Prefill).unwrap(), None);
+        assert_eq!(c.metrics.worker_addr(Side::Decode).unwrap(), None);
+        let c = with(
+            "listen = \"127.0.0.1:9470\"\nprefill_listen = \"127.0.0.1:9471\"\n\
+             decode_listen = \"127.0.0.1:9472\"",
+        )
+        .unwrap();
+        assert_eq!(
+            c.metrics.worker_addr(Side::Decode).unwrap(),
+            Some("127.0.0.1:9472".parse().unwrap())
+        );
+        // Port 0 may repeat; a fixed port may not.
+        with("listen = \"127.0.0.1:0\"\nprefill_listen = \"127.0.0.1:0\"").unwrap();
+        let e = with("prefill_listen = \"127.0.0.1:9471\"\ndecode_listen = \"127.0.0.1:9471\"")
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "metrics.prefill_listen and metrics.decode_listen are both 127.0.0.1:9471: each \
+             daemon reading this file needs an address of its own (or port 0)"
+        );
+        let e = with("decode_listen = \"localhost:9472\"").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "metrics.decode_listen \"localhost:9472\" is not IP:PORT (e.g. \"127.0.0.1:9470\")"
+        );
     }
 
     #[test]

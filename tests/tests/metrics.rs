@@ -4,10 +4,19 @@
 //! worker is up with its pool in pages and tokens beside the context one
 //! request needs of it, and a lost worker shows as down.
 //!
+//! One file for every daemon, as install.sh links it: `[metrics] listen` is kvctld's fixed
+//! address and the workers reading the same file do not try to bind it (they start, serve,
+//! and log where their own endpoint would be set); `prefill_listen` gives the prefill worker
+//! its own, and an address shared by two daemons is refused at `--check-config`.
+//!
 //! Build the binaries first (`cargo build --release --bins`). Bounded in time.
 
 use kvctld::stack::{error_chain, wait_until};
-use kvfence_tests::{assert_matches, expected, metrics_addr, model, prompt, scrape, start_stack};
+use kvfence_tests::{
+    assert_matches, bin_dir, expected, metrics_addr, model, prompt, scrape, serves_again,
+    start_stack,
+};
+use std::process::Command;
 use std::time::Duration;
 
 /// The value of the series `series` (name and labels exactly as exposed).
@@ -20,6 +29,8 @@ fn value(text: &str, series: &str) -> Option<f64> {
 fn a_scrape_says_what_the_stack_did() {
     let mut running = start_stack("kvmet.", 2, 2, |c| {
         c.metrics.listen = Some("127.0.0.1:0".into());
+        c.metrics.prefill_listen = Some("127.0.0.1:0".into());
+        c.metrics.decode_listen = Some("127.0.0.1:0".into());
     });
     let stack = &mut running.stack;
     let addr = wait_until(Duration::from_secs(10), || {
@@ -185,8 +196,8 @@ fn a_scrape_says_what_the_stack_did() {
     workers_export_their_own(stack, served as f64);
 }
 
-/// Each worker's own `/metrics` (the shared config's `[metrics] listen` is port 0, so every
-/// daemon binds one of its own): its pool, the context it must hold, and its counters, which
+/// Each worker's own `/metrics` (the shared config's `[metrics]` addresses are port 0, so
+/// every daemon binds one of its own): its pool, the context it must hold, and its counters, which
 /// add up to the requests served. A worker still answers, as not registered, once kvctld is
 /// gone.
 fn workers_export_their_own(stack: &mut kvctld::stack::Stack, served: f64) {
@@ -264,5 +275,85 @@ fn workers_export_their_own(stack: &mut kvctld::stack::Stack, served: f64) {
     assert!(
         alone.is_some(),
         "{id} answered no scrape as unregistered with kvctld gone"
+    );
+}
+
+#[test]
+fn one_file_with_kvctlds_fixed_metrics_address_starts_every_daemon() {
+    let mut running = start_stack("kvmetone.", 1, 1, |c| {
+        c.metrics.listen = Some("127.0.0.1:0".into());
+    });
+    let stack = &mut running.stack;
+    // kvctld's address, now fixed in the file every daemon reads.
+    let kvctld = wait_until(Duration::from_secs(10), || {
+        metrics_addr(&stack.log("kvctld"))
+    })
+    .unwrap_or_else(|| panic!("kvctld logged no metrics address:\n{}", stack.log("kvctld")));
+    let mut shared = stack.config().clone();
+    shared.metrics.listen = Some(kvctld.clone());
+    let mut with_prefill = shared.clone();
+    with_prefill.metrics.prefill_listen = Some("127.0.0.1:0".into());
+    stack
+        .set_worker_config("decode-0", &shared)
+        .expect("config");
+    stack
+        .set_worker_config("prefill-0", &with_prefill)
+        .expect("config");
+    let decode_log_before = stack.log("decode-0").len();
+    let prefill_log_before = stack.log("prefill-0").len();
+    for id in ["decode-0", "prefill-0"] {
+        stack.restart(id).unwrap_or_else(|e| {
+            panic!(
+                "{id} with kvctld's metrics address in its file: {}",
+                error_chain(&e)
+            )
+        });
+    }
+    let model = model(stack);
+    serves_again(stack, &model, "prefill-0");
+    let decode_log = stack.log("decode-0")[decode_log_before..].to_owned();
+    assert!(
+        decode_log.contains(&format!("[metrics] listen ({kvctld}) is kvctld's"))
+            && decode_log.contains("decode_listen"),
+        "decode-0 did not say why it has no metrics endpoint:\n{decode_log}"
+    );
+    let prefill_log = stack.log("prefill-0")[prefill_log_before..].to_owned();
+    let own = metrics_addr(&prefill_log)
+        .unwrap_or_else(|| panic!("prefill-0 logged no metrics address:\n{prefill_log}"));
+    assert_ne!(own, kvctld, "prefill-0 served metrics on kvctld's address");
+    let up = wait_until(Duration::from_secs(10), || {
+        let text = scrape(&own)?;
+        (value(
+            &text,
+            r#"kvfence_worker_up{worker="prefill-0",role="prefill"}"#,
+        ) == Some(1.0))
+        .then_some(())
+    });
+    assert!(
+        up.is_some(),
+        "prefill-0's own /metrics at {own} never said it is up"
+    );
+    let text = scrape(&kvctld).expect("kvctld still answers on its address");
+    assert!(
+        text.contains(r#"kvfence_worker_up{worker="decode-0",role="decode"} 1"#),
+        "kvctld's /metrics lost decode-0:\n{text}"
+    );
+
+    // One fixed address for two daemons is refused before anything binds.
+    let path = stack.dir().join("clash.toml");
+    std::fs::write(&path, toml::to_string(&shared).expect("toml")).expect("write");
+    let out = Command::new(bin_dir().join("decoded"))
+        .arg("--config")
+        .arg(&path)
+        .args(["--metrics-listen", &kvctld, "--check-config"])
+        .output()
+        .expect("decoded --check-config");
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    assert!(
+        text.contains(&format!(
+            "metrics.listen and metrics.decode_listen are both {kvctld}"
+        )),
+        "{text}"
     );
 }

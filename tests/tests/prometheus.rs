@@ -93,6 +93,8 @@ fn prometheus_scraping_a_stack_sees_the_load_it_served() {
     };
     let running = start_stack("kvprom.", 2, 2, |c| {
         c.metrics.listen = Some("127.0.0.1:0".into());
+        c.metrics.prefill_listen = Some("127.0.0.1:0".into());
+        c.metrics.decode_listen = Some("127.0.0.1:0".into());
     });
     let stack = &running.stack;
     let target = wait_until(Duration::from_secs(10), || {

@@ -18,7 +18,7 @@ use crate::pool::{PagePool, PoolError, PoolOptions, Reservation};
 use crate::proto::{ErrorCode, PoolReport, RegisterWorker, Role, TcpEndpoint, Transport};
 use crate::rdma::{RdmaError, RdmaNode};
 use crate::{Generation, Owner, RequestId};
-use log::debug;
+use log::{debug, info};
 use mio::{Poll, Waker};
 use std::io;
 use std::os::fd::OwnedFd;
@@ -94,7 +94,8 @@ pub enum WorkerError {
     /// The `[metrics]` section does not name a usable address.
     #[error("the [metrics] section")]
     MetricsListen(#[source] ConfigError),
-    /// Starting the `/metrics` listener of `[metrics] listen` failed.
+    /// Starting the `/metrics` listener of `[metrics] prefill_listen` or `decode_listen`
+    /// failed.
     #[error("starting the metrics endpoint on {addr}")]
     Metrics {
         addr: std::net::SocketAddr,
@@ -153,6 +154,9 @@ pub struct CommandLine {
     pub config: PathBuf,
     /// The worker id, overriding `[worker] id`.
     pub id: Option<String>,
+    /// The worker's metrics address, overriding `[metrics] prefill_listen` or
+    /// `decode_listen`.
+    pub metrics_listen: Option<String>,
     /// Load and validate the configuration, then exit.
     pub check_config: bool,
 }
@@ -185,6 +189,7 @@ impl CommandLine {
         Ok(CommandLine {
             config,
             id,
+            metrics_listen: None,
             check_config: check_config.is_some(),
         })
     }
@@ -263,6 +268,11 @@ pub fn main(name: &str, args: CommandLine, run: RunFn) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
+    let side = if name == "decoded" {
+        Side::Decode
+    } else {
+        Side::Prefill
+    };
     if let Some(id) = args.id {
         cfg.worker.id = Some(id);
         if let Err(e) = cfg.validate() {
@@ -270,11 +280,16 @@ pub fn main(name: &str, args: CommandLine, run: RunFn) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     }
-    let side = if name == "decoded" {
-        Side::Decode
-    } else {
-        Side::Prefill
-    };
+    if let Some(addr) = args.metrics_listen {
+        match side {
+            Side::Prefill => cfg.metrics.prefill_listen = Some(addr),
+            Side::Decode => cfg.metrics.decode_listen = Some(addr),
+        }
+        if let Err(e) = cfg.validate() {
+            eprintln!("{name}: --metrics-listen: {}", crate::error_chain(&e));
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    }
     if args.check_config {
         if let Err(e) = preflight(&cfg, side) {
             eprintln!(
@@ -372,10 +387,22 @@ impl Startup {
         let waker = Arc::new(Waker::new(poll.registry(), link::WAKER).map_err(LinkError::Setup)?);
         let metrics = match cfg
             .metrics
-            .listen_addr()
+            .worker_addr(side)
             .map_err(WorkerError::MetricsListen)?
         {
-            None => None,
+            None => {
+                if let Some(kvctld) = &cfg.metrics.listen {
+                    let key = match side {
+                        Side::Prefill => "prefill_listen",
+                        Side::Decode => "decode_listen",
+                    };
+                    info!(
+                        "no metrics endpoint: [metrics] listen ({kvctld}) is kvctld's; set \
+                         [metrics] {key} or --metrics-listen for this worker's"
+                    );
+                }
+                None
+            }
             Some(addr) => {
                 let daemon = match side {
                     Side::Prefill => "prefilld",

@@ -62,6 +62,8 @@ fn start(
     if metrics {
         // One shared file: port 0 gives every daemon a port of its own.
         cfg.metrics.listen = Some("127.0.0.1:0".into());
+        cfg.metrics.prefill_listen = Some("127.0.0.1:0".into());
+        cfg.metrics.decode_listen = Some("127.0.0.1:0".into());
     }
     cfg.control.admission_queue = 4096;
     cfg.deadlines.request = 60_000;
