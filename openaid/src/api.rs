@@ -1,6 +1,8 @@
 //! The OpenAI request and response bodies openaid speaks: what it reads of a request, and
-//! the JSON it answers with. Fields it does not implement are refused when they ask for
-//! behaviour (`n` > 1, `stop`, penalties, `logprobs`), never silently ignored.
+//! the JSON it answers with. Parameters it does not implement are refused when they ask for
+//! behaviour (`n` > 1, `stop`, penalties, `logprobs`, `response_format`, `tools`,
+//! `logit_bias`, `suffix`, `best_of`, any parameter it does not know), never silently
+//! ignored.
 
 use crate::errors::ApiError;
 use llama::chat::Message;
@@ -59,6 +61,10 @@ pub struct Common {
     pub logprobs: Option<Value>,
     #[serde(default)]
     pub user: Option<String>,
+    /// Every other parameter of the request: refused unless it asks for nothing
+    /// ([`Common::check_supported`]).
+    #[serde(flatten)]
+    pub other: serde_json::Map<String, Value>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -173,6 +179,11 @@ impl Common {
         if matches!(&self.logprobs, Some(v) if !v.is_null() && *v != Value::Bool(false)) {
             return Err(ApiError::invalid("logprobs", "logprobs are not supported"));
         }
+        for (name, v) in &self.other {
+            if let Some(why) = unsupported(name, v) {
+                return Err(ApiError::invalid(name, why));
+            }
+        }
         Ok(())
     }
 
@@ -185,6 +196,43 @@ impl Common {
             .as_ref()
             .is_some_and(|o| o.include_usage)
     }
+}
+
+/// Why the parameter `name` (one openaid does not read) cannot be honoured with the value
+/// `v`, or `None` when `v` asks for what openaid does anyway: null, empty, the default.
+fn unsupported(name: &str, v: &Value) -> Option<String> {
+    let empty = match v {
+        Value::Null => true,
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        Value::String(t) => t.is_empty(),
+        _ => false,
+    };
+    if empty {
+        return None;
+    }
+    let why = match name {
+        "response_format" if v.get("type") == Some(&json!("text")) => return None,
+        "response_format" => {
+            "structured output is not supported: the answer is plain text (only \
+             {\"type\": \"text\"})"
+        }
+        "tools" | "functions" => "tool calls are not supported",
+        "tool_choice" | "function_call" if *v == json!("none") => return None,
+        "tool_choice" | "function_call" => "tool calls are not supported",
+        "parallel_tool_calls" if *v == json!(false) => return None,
+        "logit_bias" => "logit_bias is not supported",
+        "suffix" => "suffix (text after the completion) is not supported",
+        "best_of" if *v == json!(1) => return None,
+        "best_of" => "only best_of = 1 is supported",
+        "top_logprobs" if *v == json!(0) => return None,
+        "top_logprobs" => "logprobs are not supported",
+        "store" if *v == json!(false) => return None,
+        // Labels for the caller's own records: nothing to do.
+        "metadata" => return None,
+        _ => return Some(format!("{name} is not supported")),
+    };
+    Some(why.to_owned())
 }
 
 /// Token counts of a finished request.
@@ -314,6 +362,48 @@ mod tests {
         }))
         .unwrap();
         ok.common.check_supported().unwrap();
+    }
+
+    #[test]
+    fn parameters_openaid_does_not_read_are_refused_unless_they_ask_for_nothing() {
+        let refused = [
+            ("response_format", json!({"type": "json_object"})),
+            (
+                "tools",
+                json!([{"type": "function", "function": {"name": "f"}}]),
+            ),
+            ("tool_choice", json!("auto")),
+            ("logit_bias", json!({"50256": -100})),
+            ("suffix", json!(" the end")),
+            ("best_of", json!(3)),
+            ("top_logprobs", json!(2)),
+            ("guided_json", json!({"type": "object"})),
+        ];
+        for (name, v) in refused {
+            let mut body = json!({"model": "m", "prompt": "hi"});
+            body[name] = v.clone();
+            let req: CompletionRequest = serde_json::from_value(body).unwrap();
+            let e = req
+                .common
+                .check_supported()
+                .expect_err(&format!("{name} = {v} was accepted"));
+            assert_eq!(e.param.as_deref(), Some(name), "{name} = {v}");
+        }
+        let harmless = json!({
+            "model": "m", "messages": [], "response_format": {"type": "text"}, "tools": [],
+            "tool_choice": "none", "logit_bias": {}, "suffix": "", "best_of": 1,
+            "metadata": {"run": "a"}, "store": false, "user": "u", "seed": 1,
+        });
+        let req: ChatRequest = serde_json::from_value(harmless).unwrap();
+        assert!(req.common.other.keys().all(|k| k != "user" && k != "seed"));
+        req.common.check_supported().unwrap();
+        // The endpoints' own fields are theirs, not unknown.
+        let req: CompletionRequest = serde_json::from_value(
+            json!({"model": "m", "prompt": "hi", "max_tokens": 3, "echo": false}),
+        )
+        .unwrap();
+        assert!(req.common.other.is_empty(), "{:?}", req.common.other);
+        req.common.check_supported().unwrap();
     }
 
     #[test]

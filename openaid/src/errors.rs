@@ -69,14 +69,20 @@ impl ApiError {
         )
     }
 
-    pub fn model_not_found(asked: &str, served: &str) -> ApiError {
+    /// `served`: the model's id first, then the other names it answers to.
+    pub fn model_not_found(asked: &str, served: &[&str]) -> ApiError {
+        let names = served
+            .iter()
+            .map(|n| format!("{n:?}"))
+            .collect::<Vec<_>>()
+            .join(" or ");
         ApiError {
             param: Some("model".into()),
             ..ApiError::new(
                 StatusCode::NOT_FOUND,
                 "not_found_error",
                 "model_not_found",
-                format!("the model {asked:?} is not served here; this endpoint serves {served:?}"),
+                format!("the model {asked:?} is not served here; this endpoint serves {names}"),
             )
         }
     }

@@ -9,7 +9,7 @@
 //! address cannot be bound), 2 for a configuration error.
 
 use clap::Parser;
-use libkv::config::Config;
+use libkv::config::{Config, ModelKind};
 use openaid::keys::Keys;
 use openaid::server::{App, router};
 use std::path::PathBuf;
@@ -95,7 +95,11 @@ fn prepare(cfg: &Config) -> Result<Prepared, String> {
         cfg.openai.tenant.clone(),
         keys,
         cfg.openai.max_requests,
-    );
+    )
+    .with_model_file(match cfg.model.kind {
+        ModelKind::Gguf => cfg.model.path.as_deref(),
+        ModelKind::Reference => None,
+    });
     Ok(Prepared { addr, app })
 }
 

@@ -59,6 +59,9 @@ pub struct App {
     pub max_requests: u32,
     /// Unix time openaid started (`created` of the model).
     pub started: u64,
+    /// Names a request's `model` may use besides the model id and its name: the model
+    /// file's (see [`App::with_model_file`]).
+    aliases: Vec<String>,
     next_id: AtomicU64,
 }
 
@@ -85,6 +88,7 @@ impl App {
             in_flight: Arc::new(Semaphore::new(max_requests as usize)),
             max_requests,
             started: unix_now(),
+            aliases: Vec::new(),
             next_id: AtomicU64::new(
                 u64::from(std::process::id()) << 32 | (unix_now() & 0xffff_ffff),
             ),
@@ -108,15 +112,34 @@ impl App {
             .ok_or_else(|| ApiError::unauthorized("the API key is not valid"))
     }
 
-    /// Checks the request's `model`: the model id the workers register under, or its name
-    /// (the part before the first `:`).
+    /// The same app also answering to the name of the model file at `path`: its file name,
+    /// without `.gguf`, and without what follows its first `.` (the quantization), so that
+    /// `SmolLM2-135M-Instruct.Q4_1.gguf` is served as `SmolLM2-135M-Instruct` too.
+    pub fn with_model_file(mut self, path: Option<&std::path::Path>) -> App {
+        let Some(file) = path.and_then(|p| p.file_name()).and_then(|f| f.to_str()) else {
+            return self;
+        };
+        let stem = file.strip_suffix(".gguf").unwrap_or(file);
+        let base = stem.split('.').next().unwrap_or(stem);
+        for name in [file, stem, base] {
+            if !name.is_empty() && !self.aliases.iter().any(|a| a == name) {
+                self.aliases.push(name.to_owned());
+            }
+        }
+        self
+    }
+
+    /// Checks the request's `model`: the model id the workers register under, its name (the
+    /// part before the first `:`), or a name of the model file.
     fn check_model(&self, asked: &str) -> Result<(), ApiError> {
         let id = self.codec.model_id();
         let name = id.split(':').next().unwrap_or(id);
-        if asked == id || asked == name {
+        if asked == id || asked == name || self.aliases.iter().any(|a| a == asked) {
             Ok(())
         } else {
-            Err(ApiError::model_not_found(asked, id))
+            let mut served = vec![id];
+            served.extend(self.aliases.iter().map(String::as_str));
+            Err(ApiError::model_not_found(asked, &served))
         }
     }
 

@@ -415,6 +415,56 @@ fn raw_http_errors(addr: &str, model_id: &str) {
     assert_eq!(json_of(&b)["error"]["param"], "prompt");
     let (s, b) = http(addr, "GET", "/v1/nothing", &[], None);
     assert_eq!((s, error(s, &b).as_str()), (404, "unknown_url"));
+    // What openaid cannot honour is a 400 naming the parameter, never a 200 ignoring it.
+    for (path, name, v) in [
+        (
+            "/v1/chat/completions",
+            "response_format",
+            json!({"type": "json_object"}),
+        ),
+        (
+            "/v1/chat/completions",
+            "tools",
+            json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ),
+        ("/v1/chat/completions", "logit_bias", json!({"1": 5})),
+        ("/v1/completions", "suffix", json!(" and so on.")),
+        ("/v1/completions", "best_of", json!(2)),
+    ] {
+        let mut body = if path == "/v1/completions" {
+            json!({"model": model_id, "prompt": "hi", "max_tokens": 1})
+        } else {
+            json!({"model": model_id, "messages": [{"role": "user", "content": "hi"}],
+                   "max_tokens": 1})
+        };
+        body[name] = v;
+        let (s, b) = http(addr, "POST", path, &[], Some(&body));
+        assert_eq!(s, 400, "{name} on {path}: {b}");
+        assert_eq!(json_of(&b)["error"]["param"], name, "{b}");
+    }
+    // The README's name of the model: its file's, without the quantization.
+    let (s, b) = http(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        Some(&json!({"model": "SmolLM2-135M-Instruct", "max_tokens": 1,
+                     "messages": [{"role": "user", "content": "hi"}]})),
+    );
+    assert_eq!(s, 200, "model=\"SmolLM2-135M-Instruct\": {b}");
+    let (s, b) = http(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        Some(&json!({"model": "SmolLM2-360M", "max_tokens": 1,
+                     "messages": [{"role": "user", "content": "hi"}]})),
+    );
+    assert_eq!((s, error(s, &b).as_str()), (404, "model_not_found"), "{b}");
+    assert!(
+        b.contains("SmolLM2-135M-Instruct"),
+        "the 404 names no usable name: {b}"
+    );
 }
 
 /// With `[openai] api_keys`, a request needs a key of the file, and is charged to its
