@@ -1450,6 +1450,27 @@ mod tests {
     }
 
     #[test]
+    fn the_example_states_the_largest_max_context_a_daemon_takes() {
+        let stated: u32 = EXAMPLE
+            .split("max_context is also at most ")
+            .nth(1)
+            .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+            .and_then(|n| n.parse().ok())
+            .expect("the example states the largest max_context");
+        assert_eq!(
+            usize::try_from(stated).unwrap(),
+            crate::proto::MAX_PROMPT_TOKENS,
+            "the example's stated limit is not the frame's"
+        );
+        let pages = stated.div_ceil(16) + 64;
+        llama(stated, 64, pages, pages + 4).validate().unwrap();
+        assert!(matches!(
+            llama(stated + 1, 64, pages + 1, pages + 5).validate(),
+            Err(ConfigError::ContextExceedsFrame { .. })
+        ));
+    }
+
+    #[test]
     fn example_file_parses_and_validates() {
         let c = Config::from_toml_str(EXAMPLE).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
