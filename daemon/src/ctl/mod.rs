@@ -87,6 +87,12 @@ pub enum CtlError {
         path.display()
     )]
     SocketInUse { path: PathBuf },
+    #[error(
+        "{} exists and is {what}, not a socket: kvctld replaces only a socket a kvctld left; \
+         move it away, or set [control] socket to another path",
+        path.display()
+    )]
+    NotASocket { path: PathBuf, what: &'static str },
     #[error("probing the socket already at {path}")]
     Probe { path: PathBuf, source: io::Error },
     #[error("setting up the event loop")]
@@ -500,13 +506,37 @@ pub fn socket_dir_mode(socket_mode: u32) -> u32 {
     mode
 }
 
-/// Checks what `bind` would need from the host beyond the file: the socket group exists.
-/// (`--check-config` calls it.)
+/// Checks what `bind` would need from the host beyond the file: the socket group exists,
+/// and nothing but a socket is at the socket's path. (`--check-config` calls it.)
 pub fn check_socket_settings(control: &libkv::config::Control) -> Result<(), CtlError> {
     if let Some(group) = &control.socket_group {
         socket_gid(group)?;
     }
-    Ok(())
+    check_socket_path(&control.socket)
+}
+
+/// Refuses a path where something other than a socket (or nothing) is: bind would fail on
+/// it with "Address already in use", which says nothing of a file in the way.
+fn check_socket_path(path: &Path) -> Result<(), CtlError> {
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    let t = meta.file_type();
+    let what = if t.is_socket() {
+        return Ok(());
+    } else if t.is_file() {
+        "a regular file"
+    } else if t.is_dir() {
+        "a directory"
+    } else if t.is_symlink() {
+        "a symbolic link"
+    } else {
+        "a special file"
+    };
+    Err(CtlError::NotASocket {
+        path: path.to_owned(),
+        what,
+    })
 }
 
 fn set_owner_and_mode(
@@ -559,6 +589,7 @@ fn bind(control: &libkv::config::Control) -> Result<(UnixListener, BoundSocket),
         .transpose()?;
     // A socket left by a daemon that died would make bind fail; a live one is refused, and
     // only a socket is ever removed.
+    check_socket_path(path)?;
     if let Ok(meta) = std::fs::symlink_metadata(path)
         && meta.file_type().is_socket()
     {
@@ -627,5 +658,42 @@ mod tests {
         assert_eq!(next_generation(lock.previous), Generation(ahead.0 + 1));
         // behind the clock, the clock wins
         assert!(next_generation(Some(Generation(5))).0 > 5_000_000);
+    }
+
+    #[test]
+    fn a_file_at_the_socket_path_is_named_not_taken_for_a_socket_in_use() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut control =
+            libkv::config::Config::embedded_default(dir.path().join("kvctld.sock")).control;
+        std::fs::write(&control.socket, "notes").unwrap();
+        let want = format!(
+            "{} exists and is a regular file, not a socket: kvctld replaces only a socket a \
+             kvctld left; move it away, or set [control] socket to another path",
+            control.socket.display()
+        );
+        assert_eq!(bind(&control).unwrap_err().to_string(), want);
+        assert_eq!(
+            check_socket_settings(&control).unwrap_err().to_string(),
+            want
+        );
+        assert_eq!(
+            std::fs::read(&control.socket).unwrap(),
+            b"notes",
+            "the file was touched"
+        );
+        control.socket = dir.path().join("sub");
+        std::fs::create_dir(&control.socket).unwrap();
+        assert!(matches!(
+            bind(&control),
+            Err(CtlError::NotASocket {
+                what: "a directory",
+                ..
+            })
+        ));
+        // A socket a kvctld left (nothing listens) is still replaced.
+        control.socket = dir.path().join("stale.sock");
+        drop(UnixListener::bind(&control.socket).unwrap());
+        check_socket_settings(&control).unwrap();
+        bind(&control).unwrap();
     }
 }
