@@ -11,6 +11,11 @@ use kvctld::client::ClientError;
 use kvctld::stack::{Stack, StackOptions, error_chain, find_worker, wait_until};
 use kvfence_tests::ops::{describe, open_tempdir, run_bounded};
 use kvfence_tests::{LogsOnPanic, bin_dir};
+
+/// kvctld's counter `name`.
+fn counter(stack: &Stack, name: &str) -> u64 {
+    kvfence_tests::counter(&stack.status().expect("status"), name).unwrap_or(0)
+}
 use libkv::config::Config;
 use libkv::geometry::{Dtype, PageGeometry};
 use libkv::model::{ReferenceModel, monolithic, tokenize};
@@ -97,19 +102,46 @@ fn a_prompt_too_long_for_an_argument_goes_through_a_file_and_standard_input() {
         );
     }
 
-    // Over what one Submit frame carries: refused before connecting, with the limit.
+    // Over what one Submit frame carries, so over any max_context: refused before sending,
+    // with the limit, as kvctld refuses a prompt over max_context (rejected, exit 3, code
+    // Rejected). Nothing reaches kvctld.
+    let rejected_before = counter(&stack, "rejected");
     let too_long = dir.path().join("too-long.txt");
     std::fs::write(&too_long, prompt(MAX_PROMPT_TOKENS + 1)).unwrap();
+    let too_long = too_long.to_str().unwrap();
     let ran = run_bounded(
-        &mut kvctl(&["--prompt-file", too_long.to_str().unwrap()]),
+        &mut kvctl(&["--prompt-file", too_long]),
         None,
         Duration::from_secs(30),
     );
-    assert_eq!(ran.code(), Some(1), "{}", describe("too long", &ran));
+    assert_eq!(ran.code(), Some(3), "{}", describe("too long", &ran));
     assert!(
-        ran.stderr.contains(&MAX_PROMPT_TOKENS.to_string()),
+        ran.stderr.contains("Rejected: prompt of 131073 tokens")
+            && ran.stderr.contains(&MAX_PROMPT_TOKENS.to_string()),
         "{}",
         ran.stderr
+    );
+    let mut json = Command::new(bin_dir().join("kvctl"));
+    json.arg("--socket").arg(stack.socket()).args([
+        "--json",
+        "generate",
+        "--tenant",
+        "acme",
+        "--prompt-file",
+        too_long,
+    ]);
+    let ran = run_bounded(&mut json, None, Duration::from_secs(30));
+    let v: serde_json::Value = serde_json::from_str(ran.stdout.trim())
+        .unwrap_or_else(|e| panic!("{e}: {}", describe("too long, --json", &ran)));
+    assert_eq!(
+        (v["code"].as_str(), v["exit_code"].as_u64(), ran.code()),
+        (Some("Rejected"), Some(3), Some(3)),
+        "{v}"
+    );
+    assert_eq!(
+        counter(&stack, "rejected"),
+        rejected_before,
+        "kvctld saw a prompt kvctl refused"
     );
     let ran = run_bounded(
         &mut kvctl(&["--prompt-file", "/nonexistent/prompt"]),

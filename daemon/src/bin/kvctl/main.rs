@@ -483,14 +483,11 @@ fn read_prompt(arg: Option<&str>, file: Option<&Path>) -> Result<Vec<u8>, Failur
         (None, None) => return Err(Failure::new(exit::USAGE, "no prompt given")),
     };
     if bytes.len() > max {
-        return Err(Failure::new(
-            exit::USAGE,
-            format!(
-                "the prompt from {what} is longer than {max} bytes: no request carries more \
-                 than {} tokens",
-                libkv::proto::MAX_PROMPT_TOKENS
-            ),
-        ));
+        return Err(rejected_here(format!(
+            "the prompt from {what} is longer than {max} bytes, more than the {} tokens one \
+             request carries",
+            libkv::proto::MAX_PROMPT_TOKENS
+        )));
     }
     if bytes.is_empty() {
         return Err(Failure::new(
@@ -501,19 +498,27 @@ fn read_prompt(arg: Option<&str>, file: Option<&Path>) -> Result<Vec<u8>, Failur
     Ok(bytes)
 }
 
+/// A prompt no kvctld admits (`max_context` is at most what one request carries), refused
+/// without sending it: the same exit code and error code as kvctld's rejection.
+fn rejected_here(why: String) -> Failure {
+    Failure {
+        server_code: Some(ErrorCode::Rejected),
+        ..Failure::new(
+            exit::REJECTED,
+            format!("Rejected: {why}, above any max_context (not sent)"),
+        )
+    }
+}
+
 fn generate(cli: &Cli, mut request: Submit, text: &[u8], chat: bool) -> Result<(), Failure> {
     let codec = Codec::from_config(load_config(cli)?.as_ref())?;
     request.prompt = codec.encode(text, chat)?;
     let max = libkv::proto::MAX_PROMPT_TOKENS;
     if request.prompt.len() > max {
-        return Err(Failure::new(
-            exit::USAGE,
-            format!(
-                "the prompt is {} tokens, longer than {max} tokens, the most one request \
-                 carries (kvctld's limits.max_context may be lower)",
-                request.prompt.len()
-            ),
-        ));
+        return Err(rejected_here(format!(
+            "prompt of {} tokens exceeds the {max} tokens one request carries",
+            request.prompt.len()
+        )));
     }
     let tenant = request.tenant.clone();
     let tenant = tenant.as_str();
