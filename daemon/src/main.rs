@@ -35,6 +35,7 @@ fn check_startable(cfg: &Config) -> Result<(), String> {
         cfg.election
             .advertised(&cfg.tls)
             .map_err(|e| libkv::error_chain(&e))?;
+        libkv::etcd::check(&cfg.election).map_err(|e| libkv::error_chain(&e))?;
     }
     for (side, daemon) in [(Side::Prefill, "prefilld"), (Side::Decode, "decoded")] {
         libkv::worker::preflight(cfg, side)

@@ -299,7 +299,8 @@ pub struct Config {
 }
 
 /// The `[election]` section: several kvctld instances share one cluster, and one of them
-/// leads, elected through etcd (v3, its JSON gateway over plain HTTP). A kvctld campaigns
+/// leads, elected through etcd (v3, its JSON gateway, over plain HTTP or TLS, at any of
+/// `etcd`'s members). A kvctld campaigns
 /// before it serves anything: it takes a lease of `ttl_s` and creates `key` under it, with
 /// `advertise` as its value; the store's revision of that put is its epoch (its generation,
 /// which every worker fences on). While the key exists the others wait as standbys. The
@@ -311,9 +312,20 @@ pub struct Config {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Election {
-    /// `HOST:PORT` of an etcd member's client URL; the election is off without it.
+    /// The etcd members' client addresses: one `HOST:PORT`, or a list of them, each plain
+    /// or with `http://`, or all with `https://` for TLS; the election is off without it.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub etcd: Option<String>,
+    pub etcd: Option<EtcdList>,
+    /// CA certificates (PEM) that `https://` etcd members' certificates are checked
+    /// against; required with them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub etcd_ca: Option<PathBuf>,
+    /// Client certificate and key (PEM) presented to etcd, for a cluster that requires
+    /// them (`--client-cert-auth`); both or neither.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub etcd_cert: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub etcd_key: Option<PathBuf>,
     /// The key the leader holds; its value is the leader's `advertise` address.
     pub key: String,
     /// Where workers publish themselves, each under its own lease: `<members><id>` holds a
@@ -335,6 +347,9 @@ impl Default for Election {
     fn default() -> Election {
         Election {
             etcd: None,
+            etcd_ca: None,
+            etcd_cert: None,
+            etcd_key: None,
             key: "/kvfence/leader".into(),
             members: "/kvfence/workers/".into(),
             ttl_s: 5,
@@ -383,14 +398,39 @@ impl Election {
         let Some(etcd) = &self.etcd else {
             return Ok(());
         };
-        for (key, v) in [("etcd", Some(etcd)), ("advertise", self.advertise.as_ref())] {
-            if let Some(v) = v {
-                match v.rsplit_once(':') {
-                    Some((host, port))
-                        if !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0) => {}
-                    _ => return Err(bad(format!("{key} = {v:?} is not a HOST:PORT"))),
-                }
+        etcd.validate().map_err(bad)?;
+        if let Some(v) = &self.advertise
+            && !is_host_port(v)
+        {
+            return Err(bad(format!("advertise = {v:?} is not a HOST:PORT")));
+        }
+        match (etcd.uses_tls(), &self.etcd_ca) {
+            (true, None) => {
+                return Err(bad(
+                    "etcd names https:// members: set etcd_ca, the CA their certificates are \
+                     checked against"
+                        .into(),
+                ));
             }
+            (false, Some(_)) => {
+                return Err(bad(
+                    "etcd_ca is set but etcd names plain members: write them https://".into(),
+                ));
+            }
+            _ => {}
+        }
+        match (&self.etcd_cert, &self.etcd_key) {
+            (Some(_), None) | (None, Some(_)) => {
+                return Err(bad(
+                    "etcd_cert and etcd_key go together: set both or neither".into(),
+                ));
+            }
+            (Some(_), Some(_)) if !etcd.uses_tls() => {
+                return Err(bad(
+                    "etcd_cert is set but etcd names plain members: write them https://".into(),
+                ));
+            }
+            _ => {}
         }
         if self.key.is_empty() {
             return Err(bad("`key` is empty".into()));
@@ -429,6 +469,98 @@ impl Election {
         }
         Ok(())
     }
+}
+
+/// `[election] etcd`: one member's client address, or a list of them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum EtcdList {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl From<String> for EtcdList {
+    fn from(addr: String) -> EtcdList {
+        EtcdList::One(addr)
+    }
+}
+
+/// Most etcd members one config names.
+pub const MAX_ETCD_ENDPOINTS: usize = 16;
+
+impl EtcdList {
+    /// The entries as written.
+    pub fn entries(&self) -> &[String] {
+        match self {
+            EtcdList::One(a) => std::slice::from_ref(a),
+            EtcdList::Many(list) => list,
+        }
+    }
+
+    /// Each member's `HOST:PORT`, without its scheme.
+    pub fn addrs(&self) -> Vec<String> {
+        self.entries()
+            .iter()
+            .map(|e| split_scheme(e).1.to_owned())
+            .collect()
+    }
+
+    /// Whether the members are `https://` ones.
+    pub fn uses_tls(&self) -> bool {
+        self.entries()
+            .iter()
+            .any(|e| split_scheme(e).0 == Some("https"))
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        let entries = self.entries();
+        if entries.is_empty() || entries.len() > MAX_ETCD_ENDPOINTS {
+            return Err(format!(
+                "etcd names {} members: give 1 to {MAX_ETCD_ENDPOINTS}",
+                entries.len()
+            ));
+        }
+        for e in entries {
+            let (scheme, rest) = split_scheme(e);
+            if !matches!(scheme, None | Some("http" | "https")) || !is_host_port(rest) {
+                return Err(format!(
+                    "etcd entry {e:?} is not HOST:PORT, http://HOST:PORT or https://HOST:PORT"
+                ));
+            }
+        }
+        let tls = self.uses_tls();
+        if entries
+            .iter()
+            .any(|e| (split_scheme(e).0 == Some("https")) != tls)
+        {
+            return Err("etcd mixes https:// and plain members: give all one scheme".into());
+        }
+        let addrs = self.addrs();
+        if let Some(dup) = addrs
+            .iter()
+            .enumerate()
+            .find_map(|(i, a)| addrs[..i].contains(a).then_some(a))
+        {
+            return Err(format!("etcd names {dup} twice"));
+        }
+        Ok(())
+    }
+}
+
+/// `("https", "host:2379")` of `https://host:2379` (a trailing `/` dropped); no scheme:
+/// `(None, entry)`.
+fn split_scheme(entry: &str) -> (Option<&str>, &str) {
+    let entry = entry.strip_suffix('/').unwrap_or(entry);
+    match entry.split_once("://") {
+        Some((scheme, rest)) => (Some(scheme), rest),
+        None => (None, entry),
+    }
+}
+
+/// `HOST:PORT` with a host and a port in 1..=65535.
+fn is_host_port(v: &str) -> bool {
+    matches!(v.rsplit_once(':'), Some((host, port))
+        if !host.is_empty() && !host.contains('/') && port.parse::<u16>().is_ok_and(|p| p > 0))
 }
 
 /// The `[tls]` section: kvctld's control channel over TCP with mutual TLS, beside the Unix
@@ -1498,6 +1630,58 @@ mod tests {
             got, want,
             "kvfence.example.toml must set and document every key"
         );
+    }
+
+    #[test]
+    fn etcd_may_name_several_members_and_tls() {
+        let base = minimal(16, 4096, 256, 1024, 1024);
+        let tls = "[tls]\nserver_name = \"kvctld.example\"\ncert = \"/c.pem\"\nkey = \"/c.key\"\n\
+                   ca = \"/ca.pem\"";
+        let with = |election: &str| {
+            Config::from_toml_str(&format!("{base}\n[election]\n{election}\n{tls}\n"))
+        };
+        let err = |e: &str| with(e).unwrap_err().to_string();
+        let c = with("etcd = [\"192.0.2.10:2379\", \"http://192.0.2.11:2379/\"]").unwrap();
+        let list = c.election.etcd.as_ref().unwrap();
+        assert_eq!(list.addrs(), ["192.0.2.10:2379", "192.0.2.11:2379"]);
+        assert!(!list.uses_tls());
+        let c = with(
+            "etcd = [\"https://etcd-a.example:2379\", \"https://192.0.2.11:2379\"]\n\
+             etcd_ca = \"/etcd-ca.pem\"\netcd_cert = \"/e.pem\"\netcd_key = \"/e.key\"",
+        )
+        .unwrap();
+        assert!(c.election.etcd.as_ref().unwrap().uses_tls());
+        // The one-string form is still one member.
+        let c = with("etcd = \"192.0.2.10:2379\"").unwrap();
+        assert_eq!(
+            c.election.etcd,
+            Some(EtcdList::One("192.0.2.10:2379".into()))
+        );
+        for (election, says) in [
+            ("etcd = []", "give 1 to 16"),
+            ("etcd = [\"192.0.2.10\"]", "is not HOST:PORT"),
+            ("etcd = [\"unix:///run/etcd.sock\"]", "is not HOST:PORT"),
+            ("etcd = [\"https://192.0.2.10:2379\"]", "set etcd_ca"),
+            (
+                "etcd = [\"https://192.0.2.10:2379\", \"192.0.2.11:2379\"]\netcd_ca = \"/a.pem\"",
+                "mixes",
+            ),
+            (
+                "etcd = \"192.0.2.10:2379\"\netcd_ca = \"/a.pem\"",
+                "write them https://",
+            ),
+            (
+                "etcd = \"https://192.0.2.10:2379\"\netcd_ca = \"/a.pem\"\netcd_cert = \"/e.pem\"",
+                "both or neither",
+            ),
+            (
+                "etcd = [\"192.0.2.10:2379\", \"http://192.0.2.10:2379\"]",
+                "twice",
+            ),
+        ] {
+            let e = err(election);
+            assert!(e.contains(says), "{election}: {e}");
+        }
     }
 
     #[test]

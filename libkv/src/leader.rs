@@ -33,9 +33,8 @@ pub struct LeaderLookup {
 impl LeaderLookup {
     /// `None` when `[election]` is off.
     pub fn from_config(cfg: &Election) -> Option<LeaderLookup> {
-        let endpoint = cfg.etcd.clone()?;
         Some(LeaderLookup {
-            etcd: Etcd::new(endpoint, LOOKUP_TIMEOUT),
+            etcd: Etcd::for_election(cfg, LOOKUP_TIMEOUT)?,
             key: cfg.key.clone().into_bytes(),
         })
     }
@@ -45,7 +44,7 @@ impl LeaderLookup {
         format!(
             "the leader under {} in etcd at {}",
             String::from_utf8_lossy(&self.key),
-            self.etcd.endpoint()
+            self.etcd.endpoints()
         )
     }
 

@@ -102,9 +102,8 @@ impl Publisher {
     /// Starts publishing `member`; `None` when `[election]` is off (or the thread could not
     /// start, said at warning level: the worker serves, unlisted).
     pub fn start(cfg: &Election, member: Member) -> Option<Publisher> {
-        let endpoint = cfg.etcd.clone()?;
         let ttl = cfg.ttl();
-        let etcd = Etcd::new(endpoint, ttl / 3);
+        let etcd = Etcd::for_election(cfg, ttl / 3)?;
         let stop = Arc::new(AtomicBool::new(false));
         let lease = Arc::new(Mutex::new(None));
         let key = key_of(&cfg.members, &member.id);

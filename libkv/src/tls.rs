@@ -140,6 +140,31 @@ fn roots(path: &Path) -> Result<Arc<RootCertStore>, TlsError> {
     Ok(Arc::new(store))
 }
 
+/// A client configuration that trusts the CA certificates of `ca` and, when given,
+/// presents `cert` with `key` (for etcd's `--client-cert-auth`). Errors name the file and
+/// what is wrong with it, not the section it came from.
+pub fn client_config(
+    ca: &Path,
+    cert_and_key: Option<(&Path, &Path)>,
+) -> Result<Arc<ClientConfig>, String> {
+    let plain = |e: TlsError| match e {
+        TlsError::File { path, source, .. } => format!("{}: {source}", path.display()),
+        TlsError::Pem { path, reason, .. } => format!("{}: {reason}", path.display()),
+        other => other.to_string(),
+    };
+    let builder = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots(ca).map_err(plain)?);
+    let config = match cert_and_key {
+        None => builder.with_no_client_auth(),
+        Some((cert, k)) => builder
+            .with_client_auth_cert(certs(cert, "cert").map_err(plain)?, key(k).map_err(plain)?)
+            .map_err(|e| format!("certificate and key: {e}"))?,
+    };
+    Ok(Arc::new(config))
+}
+
 /// Who a TLS peer is: the name its certificate was found valid for, if any, and whether
 /// that name may register as a worker.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -242,7 +242,7 @@ fn start() -> Cluster {
         listen: Some(format!("{PREFILL_HOST}:7471")),
     };
     base.election = Election {
-        etcd: Some(etcd.endpoint.clone()),
+        etcd: Some(etcd.endpoint.clone().into()),
         ttl_s: TTL_S,
         margin_ms: 600,
         ..Election::default()

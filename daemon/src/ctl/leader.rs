@@ -72,11 +72,10 @@ impl Leadership {
     /// `None` when `stop` is set first (SIGTERM while a standby). etcd out of reach is
     /// retried, said once at warning level.
     pub fn campaign(cfg: &Election, advertise: &str, stop: &AtomicBool) -> Option<Leadership> {
-        let endpoint = cfg.etcd.clone()?;
         let ttl = cfg.ttl();
         // One call may take a third of the TTL at most: a renewal stuck longer is as good
         // as lost, and the next one goes out on time.
-        let etcd = Etcd::new(endpoint, ttl / 3);
+        let etcd = Etcd::for_election(cfg, ttl / 3)?;
         let key = cfg.key.as_bytes();
         let poll = poll_interval(ttl);
         let mut said: Option<String> = None;

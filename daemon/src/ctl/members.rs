@@ -31,9 +31,8 @@ pub struct Watcher {
 impl Watcher {
     /// `None` when `[election]` is off.
     pub fn start(cfg: &Election) -> Option<Watcher> {
-        let endpoint = cfg.etcd.clone()?;
         let every = super::leader::poll_interval(cfg.ttl());
-        let etcd = Etcd::new(endpoint, cfg.ttl() / 3);
+        let etcd = Etcd::for_election(cfg, cfg.ttl() / 3)?;
         let prefix = cfg.members.clone();
         let latest = Arc::new(Mutex::new(None));
         let stop = Arc::new(AtomicBool::new(false));

@@ -99,6 +99,8 @@ pub enum CtlError {
     Poll(#[source] io::Error),
     #[error("[election]")]
     Election(#[source] libkv::config::ConfigError),
+    #[error("[election]")]
+    Etcd(#[source] libkv::etcd::EtcdError),
     #[error("no longer leading: the lease of epoch {epoch} was not renewed in time")]
     LostLeadership { epoch: u64 },
     #[error("serving metrics on {addr} (metrics.listen)")]
@@ -230,6 +232,7 @@ fn elect(cfg: &Config) -> Result<Elected, CtlError> {
         .election
         .advertised(&cfg.tls)
         .map_err(CtlError::Election)?;
+    libkv::etcd::check(&cfg.election).map_err(CtlError::Etcd)?;
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         signal_hook::flag::register(signal, Arc::clone(&stop)).map_err(CtlError::Poll)?;
@@ -237,7 +240,9 @@ fn elect(cfg: &Config) -> Result<Elected, CtlError> {
     info!(
         "campaigning under {} in etcd at {} as {advertise}",
         cfg.election.key,
-        cfg.election.etcd.as_deref().unwrap_or_default()
+        libkv::etcd::Endpoints::from_election(&cfg.election)
+            .map(|e| e.describe())
+            .unwrap_or_default()
     );
     Ok(
         match leader::Leadership::campaign(&cfg.election, &advertise, &stop) {

@@ -91,6 +91,9 @@ pub enum WorkerError {
     /// The configured RDMA device, port or GID cannot be used.
     #[error("opening the RDMA device of [rdma]")]
     Rdma(#[source] RdmaError),
+    /// The TLS files of `[election]` for etcd cannot be used.
+    #[error("[election]")]
+    Etcd(#[source] crate::etcd::EtcdError),
     /// The `[metrics]` section does not name a usable address.
     #[error("the [metrics] section")]
     MetricsListen(#[source] ConfigError),
@@ -121,6 +124,7 @@ impl WorkerError {
             | WorkerError::ModelLoad(_)
             | WorkerError::Transfer(_)
             | WorkerError::MetricsListen(_)
+            | WorkerError::Etcd(_)
             | WorkerError::Tls(_) => true,
             WorkerError::Rdma(e) => e.is_config(),
             WorkerError::Link(e) => e.is_config(),
@@ -241,6 +245,7 @@ pub fn preflight(cfg: &Config, side: Side) -> Result<(), WorkerError> {
             side,
         });
     }
+    crate::etcd::check(&cfg.election).map_err(WorkerError::Etcd)?;
     let pool_bytes = pool_cfg.pool_bytes(&cfg.geometry);
     if let Some((limit_bytes, limit)) = memory_limit()
         && pool_bytes > limit_bytes

@@ -777,15 +777,18 @@ fn status(cli: &Cli) -> Result<(), Failure> {
 /// leader has it registered. An etcd out of reach is said in `error`, not a failure: the
 /// leader's own status was read.
 fn cluster_json(cfg: &Config, s: &StatusReply) -> serde_json::Value {
-    let etcd = cfg.election.etcd.clone().unwrap_or_default();
-    let mut out = json!({ "etcd": etcd });
+    let Some(client) =
+        libkv::etcd::Etcd::for_election(&cfg.election, libkv::leader::LOOKUP_TIMEOUT)
+    else {
+        return json!({});
+    };
+    let mut out = json!({ "etcd": client.endpoints() });
     if let Some(lookup) = libkv::leader::LeaderLookup::from_config(&cfg.election) {
         match lookup.find() {
             Ok(l) => out["leader"] = json!({ "addr": l.addr, "epoch": l.epoch }),
             Err(e) => out["error"] = json!(error_chain(&e)),
         }
     }
-    let client = libkv::etcd::Etcd::new(etcd, libkv::leader::LOOKUP_TIMEOUT);
     match libkv::members::list(&client, &cfg.election.members) {
         Ok(members) => {
             let registered = |id: &str| s.workers.iter().any(|w| w.id == id && w.connected);
