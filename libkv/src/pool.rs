@@ -78,6 +78,10 @@ pub enum PoolError {
     AlreadyVerified,
     #[error("pool memory has no host mapping")]
     NoHostMapping,
+    #[error("pool memory is not device memory")]
+    NoDeviceMemory,
+    #[error("device memory: {0}")]
+    Device(String),
     #[error("index {index} outside a grant of {pages} pages")]
     OutOfGrant { index: usize, pages: usize },
     #[error("append past the reservation's capacity of {capacity} tokens")]
@@ -330,8 +334,19 @@ impl PoolInner {
             (PoisonMode::Off, Scrub::OnFree) => Some([0u8; 16]),
             (PoisonMode::Off, Scrub::Off) => None,
         };
-        let (Some(pattern), Ok(ptr)) = (pattern, self.page_ptr(page)) else {
+        let Some(pattern) = pattern else {
             return;
+        };
+        let ptr = match (self.page_ptr(page), self.memory.device()) {
+            (Ok(ptr), _) => ptr,
+            (Err(_), Some(device)) => {
+                let at = crate::ids::PoolOffset(page.index() as u64 * self.page_bytes as u64);
+                if let Err(e) = device.fill(at, self.page_bytes as u64, &pattern) {
+                    log::warn!("wiping {page} on the device: {}", crate::error_chain(&e));
+                }
+                return;
+            }
+            (Err(_), None) => return,
         };
         // SAFETY: the page is being freed under the table lock: no reservation, grant or
         // verified handle refers to it any more, so nobody else holds a slice of it.
@@ -680,6 +695,92 @@ impl WriteGrant {
         let slots = &mut self.landed[range];
         slots.fill(None);
         Ok(Landing::new(pages, Some(slots)))
+    }
+}
+
+impl WriteGrant {
+    /// Grant pages `range` of a device pool, for a transfer the device performs (a
+    /// device-to-device pull): where each page is, and, once the device has written them
+    /// all, [`DeviceLanding::digest_landed`] digests them on the device, as verification
+    /// would. Refused when the range is not inside the grant or the pool is not on a device.
+    pub fn device_landing(
+        &mut self,
+        range: std::ops::Range<usize>,
+    ) -> Result<DeviceLanding<'_>, PoolError> {
+        let memory = self
+            .pool
+            .inner
+            .memory
+            .device()
+            .ok_or(PoolError::NoDeviceMemory)?;
+        let pages = self.pages.get(range.clone()).ok_or(PoolError::OutOfGrant {
+            index: range.end,
+            pages: self.pages.len(),
+        })?;
+        let page_bytes = self.pool.inner.page_bytes as u64;
+        let offsets = pages
+            .iter()
+            .map(|p| crate::ids::PoolOffset(u64::from(p.0) * page_bytes))
+            .collect();
+        let slots = &mut self.landed[range];
+        slots.fill(None);
+        Ok(DeviceLanding {
+            memory,
+            offsets,
+            page_bytes,
+            slots,
+        })
+    }
+}
+
+/// Grant pages of a device pool that a device fills ([`WriteGrant::device_landing`]). The
+/// digests it records are computed on the device from the pages themselves, after the
+/// writes, never taken from the writer; until then verification digests the pages itself.
+#[must_use = "a landing records nothing until digest_landed"]
+pub struct DeviceLanding<'a> {
+    memory: &'a dyn crate::memory::DeviceMemory,
+    offsets: Vec<crate::ids::PoolOffset>,
+    page_bytes: u64,
+    slots: &'a mut [Option<u32>],
+}
+
+impl fmt::Debug for DeviceLanding<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceLanding")
+            .field("pages", &self.offsets.len())
+            .field("page_bytes", &self.page_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> DeviceLanding<'a> {
+    /// Pages in the landing.
+    pub fn pages(&self) -> usize {
+        self.offsets.len()
+    }
+
+    /// Where each page starts in the pool's memory, in landing order.
+    pub fn offsets(&self) -> &[crate::ids::PoolOffset] {
+        &self.offsets
+    }
+
+    pub fn page_bytes(&self) -> u64 {
+        self.page_bytes
+    }
+
+    /// The device memory the pages are in.
+    pub fn memory(&self) -> &'a dyn crate::memory::DeviceMemory {
+        self.memory
+    }
+
+    /// Every page has been written (the device's work is complete): digests them all on
+    /// the device and records the digests for verification.
+    pub fn digest_landed(self) -> Result<(), crate::memory::cuda::CudaError> {
+        let digests = self.memory.digest_pages(&self.offsets, self.page_bytes)?;
+        for (slot, d) in self.slots.iter_mut().zip(digests) {
+            *slot = Some(d);
+        }
+        Ok(())
     }
 }
 

@@ -12,7 +12,7 @@
 //! page becomes readable.
 
 use crate::geometry::Kv;
-use crate::ids::{Owner, PageId};
+use crate::ids::{Owner, PageId, PoolOffset};
 use crate::pool::{PageState, PoolError, Reservation};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::Ordering;
@@ -139,6 +139,7 @@ impl Reservation {
         // `&mut self`, which we hold.
         let landed: Vec<Option<u32>> =
             self.with_table(|t| targets.iter().map(|&p| t.landed(p)).collect());
+        let landed = self.digest_on_device(targets, landed)?;
         for (i, ((&p, &want), landed)) in targets.iter().zip(&m.digests).zip(landed).enumerate() {
             let got = match landed {
                 Some(d) => d,
@@ -169,6 +170,39 @@ impl Reservation {
             }
             Ok(())
         })
+    }
+}
+
+impl Reservation {
+    /// For a pool on a device (no host mapping): the pages no landing digested, digested
+    /// now on the device in one launch. Host pools are digested page by page by the caller.
+    fn digest_on_device(
+        &self,
+        targets: &[PageId],
+        mut landed: Vec<Option<u32>>,
+    ) -> Result<Vec<Option<u32>>, VerifyError> {
+        let memory = self.pool().memory();
+        let Some(device) = memory.device().filter(|_| memory.host_ptr().is_none()) else {
+            return Ok(landed);
+        };
+        let page_bytes = self.pool().page_bytes() as u64;
+        let missing: Vec<usize> = (0..targets.len())
+            .filter(|&i| landed[i].is_none())
+            .collect();
+        if missing.is_empty() {
+            return Ok(landed);
+        }
+        let offsets: Vec<PoolOffset> = missing
+            .iter()
+            .map(|&i| PoolOffset(u64::from(targets[i].0) * page_bytes))
+            .collect();
+        let digests = device
+            .digest_pages(&offsets, page_bytes)
+            .map_err(|e| VerifyError::Pool(PoolError::Device(crate::error_chain(&e))))?;
+        for (&i, d) in missing.iter().zip(digests) {
+            landed[i] = Some(d);
+        }
+        Ok(landed)
     }
 }
 

@@ -12,8 +12,15 @@
 //! L1; see [`Landing::copy_in`]). Where the CPU folds, the stores are streaming ones, fenced
 //! once per page, so the pull moves two bytes of memory per byte instead of a memcpy's three.
 //! A large pull can be split over a few threads, each taking a run of pages.
+//!
+//! A device pool ([`cuda::CudaMemory`]) has no host mapping; what the pool needs from it is
+//! [`DeviceMemory`], in plain types, so that no CUDA type leaves [`cuda`]. What such a pool
+//! decides on the host (copy runs, pattern fills, the digest's arithmetic) is in [`plan`].
 
-use crate::ids::PageId;
+pub mod cuda;
+pub mod plan;
+
+use crate::ids::{PageId, PoolOffset};
 use crate::pool::{Landing, Source};
 use crate::sys::memfd;
 use memmap2::MmapMut;
@@ -36,6 +43,38 @@ pub trait PoolMemory: Send + Sync + fmt::Debug {
     fn share_fd(&self) -> Option<BorrowedFd<'_>>;
     /// Short backend name for logs and status.
     fn backend(&self) -> &'static str;
+    /// The region as device memory, if it lives on a GPU (then it has no host mapping).
+    fn device(&self) -> Option<&dyn DeviceMemory> {
+        None
+    }
+}
+
+/// Pool memory on a GPU: what the pool, verification and the transports need from it.
+/// Offsets are relative to the region's start and checked against its length.
+pub trait DeviceMemory: PoolMemory {
+    /// CUDA device ordinal.
+    fn ordinal(&self) -> u32;
+    /// Device address of the region's first byte.
+    fn device_addr(&self) -> u64;
+    /// The digest of each page of `page_bytes` at `offsets`, computed on the device: equal
+    /// to [`page_digest`](crate::verify::page_digest) of the same bytes.
+    fn digest_pages(
+        &self,
+        offsets: &[PoolOffset],
+        page_bytes: u64,
+    ) -> Result<Vec<u32>, cuda::CudaError>;
+    /// Fills `len` bytes at `offset` with `pattern` repeated.
+    fn fill(&self, offset: PoolOffset, len: u64, pattern: &[u8; 16])
+    -> Result<(), cuda::CudaError>;
+    /// Copies bytes at `offset` into `dst`.
+    fn read(&self, offset: PoolOffset, dst: &mut [u8]) -> Result<(), cuda::CudaError>;
+    /// Copies `src` into the region at `offset`.
+    fn write(&self, offset: PoolOffset, src: &[u8]) -> Result<(), cuda::CudaError>;
+    /// The fd another process on this host maps the region from (read-only, through
+    /// [`cuda::CudaForeignPool::import`]).
+    fn export_fd(&self) -> BorrowedFd<'_>;
+    /// A dmabuf fd of the whole region, for GPUDirect RDMA registration.
+    fn dmabuf_fd(&self) -> Result<OwnedFd, cuda::CudaError>;
 }
 
 /// Host shared memory: a sealed memfd, mapped shared and pre-faulted once.
