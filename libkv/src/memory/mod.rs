@@ -18,6 +18,8 @@
 //! decides on the host (copy runs, pattern fills, the digest's arithmetic) is in [`plan`].
 
 pub mod cuda;
+#[cfg(test)]
+mod device_tests;
 pub mod plan;
 
 use crate::ids::{PageId, PoolOffset};
