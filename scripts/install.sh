@@ -123,9 +123,9 @@ host_config() {
 # commented example below, with the pools in host memory (backend = "host"), $pages pages
 # ($((pages * page_bytes >> 20)) MiB) each, max_context = $max_context and
 # max_new_tokens = $max_new so that two of the largest requests fit. Numbers in the comments
-# are the example's (a GPU host with 40 and 48 GiB pools). For GPUs set backend = "cuda" and
-# cuda_device in each worker's file once the CUDA backend is built in, and size the pools
-# and limits for the model; check with: kvctld --check-config /etc/kvfence/kvfence.toml
+# are the example's (a GPU host with 40 and 48 GiB pools). backend = "cuda" (with cuda_device
+# in each worker's file) needs the NVIDIA driver and NVRTC, and a model that runs on the GPU;
+# the models built in run on the CPU. Check with: kvctld --check-config /etc/kvfence/kvfence.toml
 #
 EOT
   sed -E \

@@ -5,7 +5,7 @@
 //! built), checks the configuration it wrote with the installed `kvctld --check-config`,
 //! then starts kvctld and the default worker pair on that configuration (on a temporary
 //! socket) and serves a request. The example configuration (GPU pools, `backend = "cuda"`)
-//! is refused by `--check-config` with what to edit. Build the binaries first
+//! is refused by `--check-config`, and by a start, with what is missing and what to edit. Build the binaries first
 //! (`cargo build --release --bins`).
 
 use kvctld::stack::{Stack, StackOptions, error_chain};
@@ -105,21 +105,35 @@ fn the_example_configuration_is_refused_with_what_to_edit() {
         &workspace_root().join("libkv/kvfence.example.toml"),
     );
     assert_eq!(ran.code(), Some(2), "{}", describe("--check-config", &ran));
+    // Without a driver the refusal names the library; with one, the model on the host.
+    let why = if libkv::memory::cuda::driver_present() {
+        "runs on the host CPU"
+    } else {
+        "libcuda.so.1 cannot be loaded"
+    };
     assert!(
-        ran.stderr
-            .contains("backend cuda is not available in this build")
-            && ran.stderr.contains("[prefill] backend = \"cuda\""),
+        ran.stderr.contains(why) && ran.stderr.contains("[prefill] backend = \"cuda\""),
         "{}",
         describe("--check-config", &ran)
     );
     // Each worker says so too, and so does a start.
     let example = workspace_root().join("libkv/kvfence.example.toml");
-    for daemon in ["prefilld", "decoded"] {
+    for (daemon, side) in [("prefilld", "prefill"), ("decoded", "decode")] {
         let mut cmd = Command::new(bin_dir().join(daemon));
         cmd.arg("--check-config").arg(&example);
         let ran = run_bounded(&mut cmd, None, Duration::from_secs(30));
         assert_eq!(ran.code(), Some(2), "{}", describe(daemon, &ran));
         assert!(ran.stderr.contains("would not start"), "{}", ran.stderr);
+        let mut cmd = Command::new(bin_dir().join(daemon));
+        cmd.arg("--config").arg(&example);
+        let ran = run_bounded(&mut cmd, None, Duration::from_secs(30));
+        assert_eq!(ran.code(), Some(2), "{}", describe(daemon, &ran));
+        assert!(
+            ran.stderr.contains(why)
+                && ran.stderr.contains(&format!("[{side}] backend = \"cuda\"")),
+            "{}",
+            describe(daemon, &ran)
+        );
     }
 }
 

@@ -41,12 +41,30 @@ pub enum WorkerError {
     /// `[tls]` is set and its files cannot be used.
     #[error("reaching kvctld over TLS")]
     Tls(#[source] crate::tls::TlsError),
-    /// The configured pool backend is not compiled in.
+    /// `backend = "cuda"` on a host that lacks the CUDA driver, NVRTC, the device or a
+    /// capability the device pools need (what is missing is the source).
     #[error(
-        "backend {backend} is not available in this build ([{side}] backend = \"{backend}\"); \
-         set backend = \"host\" to run the pool in host memory"
+        "[{side}] backend = \"cuda\" (cuda_device = {device}) cannot run on this host; set \
+         backend = \"host\" to run the pool in host memory"
     )]
-    BackendUnavailable { backend: &'static str, side: Side },
+    Cuda {
+        side: Side,
+        device: u32,
+        #[source]
+        source: crate::memory::cuda::CudaError,
+    },
+    /// `backend = "cuda"` on a host that has the device, for a worker whose model computes
+    /// on the host CPU and so writes its KV through host pages.
+    #[error(
+        "[{side}] backend = \"cuda\": the pool would be on CUDA device {device} ({name}), but \
+         the model of [model] runs on the host CPU and writes KV only into host pages; set \
+         backend = \"host\""
+    )]
+    HostModel {
+        side: Side,
+        device: u32,
+        name: String,
+    },
     /// The host pool is larger than the memory this host (or this process's cgroup) has.
     #[error(
         "[{side}] pool of {pool_bytes} bytes ({pool_pages} pages) exceeds the {limit_bytes} \
@@ -118,7 +136,7 @@ impl WorkerError {
     /// system's (exit [`EXIT_RUNTIME`]).
     pub fn is_config(&self) -> bool {
         match self {
-            WorkerError::BackendUnavailable { .. }
+            WorkerError::HostModel { .. }
             | WorkerError::PoolExceedsMemory { .. }
             | WorkerError::Model(_)
             | WorkerError::ModelLoad(_)
@@ -126,6 +144,7 @@ impl WorkerError {
             | WorkerError::MetricsListen(_)
             | WorkerError::Etcd(_)
             | WorkerError::Tls(_) => true,
+            WorkerError::Cuda { source, .. } => source.is_unavailable(),
             WorkerError::Rdma(e) => e.is_config(),
             WorkerError::Link(e) => e.is_config(),
             WorkerError::Memory { .. }
@@ -234,19 +253,38 @@ pub fn memory_limit() -> Option<(u64, String)> {
     }
 }
 
-/// What [`Startup::new`] refuses on this host and build, checked without allocating
-/// anything: a pool backend not built in, a host pool larger than the memory it must fit in
-/// ([`memory_limit`]). `--check-config` runs it, so that a file it calls valid starts.
+/// What [`Startup::new`] refuses on this host, checked without allocating anything: a host
+/// pool larger than the memory it must fit in ([`memory_limit`]); for `backend = "cuda"`, a
+/// host without the CUDA driver or NVRTC (named), a device that does not exist or lacks the
+/// virtual memory API, a pool larger than the device, and a model that runs on the host.
+/// `--check-config` runs it, so that a file it calls valid starts.
 pub fn preflight(cfg: &Config, side: Side) -> Result<(), WorkerError> {
+    crate::etcd::check(&cfg.election).map_err(WorkerError::Etcd)?;
     let pool_cfg = cfg.pool(side);
+    let pool_bytes = pool_cfg.pool_bytes(&cfg.geometry);
     if pool_cfg.backend == Backend::Cuda {
-        return Err(WorkerError::BackendUnavailable {
-            backend: "cuda",
+        let device = pool_cfg.cuda_device;
+        let info = crate::memory::cuda::probe(device).map_err(|source| WorkerError::Cuda {
             side,
+            device,
+            source,
+        })?;
+        if pool_bytes > info.total_bytes {
+            return Err(WorkerError::PoolExceedsMemory {
+                side,
+                pool_bytes,
+                pool_pages: pool_cfg.pool_pages,
+                limit_bytes: info.total_bytes,
+                limit: format!("CUDA device {device} ({})", info.name),
+            });
+        }
+        // Both workers' models (the reference model and llama) compute on the CPU.
+        return Err(WorkerError::HostModel {
+            side,
+            device,
+            name: info.name,
         });
     }
-    crate::etcd::check(&cfg.election).map_err(WorkerError::Etcd)?;
-    let pool_bytes = pool_cfg.pool_bytes(&cfg.geometry);
     if let Some((limit_bytes, limit)) = memory_limit()
         && pool_bytes > limit_bytes
     {
