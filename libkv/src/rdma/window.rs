@@ -13,6 +13,7 @@
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::io;
+use std::os::fd::AsFd;
 use std::ptr::NonNull;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -562,9 +563,6 @@ impl RegisteredPool {
         let pages = u32::try_from(len / page_bytes).map_err(|_| RdmaError::OutOfRange {
             what: "more than 2^32 pages",
         })?;
-        let ptr: NonNull<u8> = memory.host_ptr().ok_or(RdmaError::OutOfRange {
-            what: "pool memory has no host mapping",
-        })?;
         let bytes = usize::try_from(len).map_err(|_| RdmaError::OutOfRange {
             what: "pool larger than the address space",
         })?;
@@ -576,10 +574,33 @@ impl RegisteredPool {
         } else {
             AccessFlags::LocalWrite
         };
-        // SAFETY: `ptr` maps `len` bytes for as long as `keeper` lives (a sealed memfd that
-        // cannot shrink); `keeper` is kept in the registration, dropped after the MR.
-        let mr = unsafe { sys::reg_mr(pd, ptr, bytes, access) }
-            .map_err(|e| boxed("ibv_reg_mr")(Box::new(e)))?;
+        let mr = match (memory.host_ptr(), memory.device()) {
+            (Some(ptr), _) => {
+                let ptr: NonNull<u8> = ptr;
+                // SAFETY: `ptr` maps `len` bytes for as long as `keeper` lives (a sealed
+                // memfd that cannot shrink); `keeper` is kept in the registration, dropped
+                // after the MR.
+                unsafe { sys::reg_mr(pd, ptr, bytes, access) }
+                    .map_err(|e| boxed("ibv_reg_mr")(Box::new(e)))?
+            }
+            // GPUDirect RDMA: the NIC reaches device memory through a dmabuf of the pool,
+            // registered at the pool's device address so page addresses are the same.
+            (None, Some(device)) => {
+                let fd = device
+                    .dmabuf_fd()
+                    .map_err(|e| boxed("cuMemGetHandleForAddressRange")(Box::new(e)))?;
+                // SAFETY: the dmabuf covers the whole device pool, which stays allocated and
+                // mapped for as long as `keeper` lives; `keeper` is kept in the
+                // registration, dropped after the MR.
+                unsafe { sys::reg_dmabuf_mr(pd, fd.as_fd(), bytes, device.device_addr(), access) }
+                    .map_err(|e| boxed("ibv_reg_dmabuf_mr")(Box::new(e)))?
+            }
+            (None, None) => {
+                return Err(RdmaError::OutOfRange {
+                    what: "pool memory has neither a host mapping nor device memory",
+                });
+            }
+        };
         Ok(RegisteredPool {
             mr,
             page_bytes,

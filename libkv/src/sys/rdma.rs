@@ -191,3 +191,23 @@ pub unsafe fn reg_mr(
     // SAFETY: the mapping's lifetime is the caller's contract.
     unsafe { pd.reg_mr(ptr.as_ptr() as usize, len, access) }
 }
+
+/// Registers `len` bytes of the dmabuf `fd` from its start, at address `iova` for the
+/// peer's and our work requests, with `access` (GPUDirect RDMA of device memory).
+///
+/// # Safety
+///
+/// The memory behind the dmabuf must stay allocated for as long as the returned MR lives.
+pub unsafe fn reg_dmabuf_mr(
+    pd: &std::sync::Arc<ProtectionDomain>,
+    fd: std::os::fd::BorrowedFd<'_>,
+    len: usize,
+    iova: u64,
+    access: sideway::ibverbs::AccessFlags,
+) -> Result<std::sync::Arc<MemoryRegion>, sideway::ibverbs::memory_region::RegisterMemoryRegionError>
+{
+    use std::os::fd::AsRawFd;
+    // SAFETY: the allocation's lifetime is the caller's contract; the kernel takes its own
+    // reference to the dmabuf, so `fd` may be closed after the call.
+    unsafe { pd.reg_dmabuf_mr(0, len, iova, fd.as_raw_fd(), access) }
+}
