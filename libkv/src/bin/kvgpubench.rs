@@ -10,8 +10,8 @@
 
 use libkv::geometry::{Dtype, PageGeometry};
 use libkv::ids::{Generation, Owner, PageId, PoolOffset, RequestId};
-use libkv::memory::cuda::{CudaDevice, CudaForeignPool, CudaMemory};
 use libkv::memory::DeviceMemory;
+use libkv::memory::cuda::{CudaDevice, CudaForeignPool, CudaMemory};
 use libkv::pool::{PagePool, PoolOptions};
 use libkv::verify::{Manifest, page_digest};
 use std::process::ExitCode;
