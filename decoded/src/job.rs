@@ -1,10 +1,14 @@
-//! Pull, verify and decode jobs, run on a small fixed pool of threads.
+//! Pull, verify and decode jobs, in two stages on two small fixed pools of threads.
 //!
-//! A job owns its request's [`Reservation`] and a cancel flag. It checks the flag and its
-//! deadline between pages and between decode steps, sends its frames (already encoded) back
-//! to the event loop over a channel and wakes it, and ends with [`JobEvent::Ended`] once
-//! everything it held is dropped, so the pages are back on the free list when the loop
-//! reports them `Freed`.
+//! A job owns its request's [`Reservation`] and a cancel flag. Its pull and verification run
+//! on the pull threads, so a pull never waits behind another request's decode: the transfer
+//! deadline measures the transfer. The verified KV then goes to the decode threads, whose
+//! queue is bounded only by the request's own deadline (a request that waits there past it
+//! fails saying it waited for a decode thread). A job checks its cancel flag and its deadline
+//! between pages and between decode steps, sends its frames (already encoded) back to the
+//! event loop over a channel and wakes it, and ends with [`JobEvent::Ended`] once everything
+//! it held is dropped, so the pages are back on the free list when the loop reports them
+//! `Freed`.
 
 use crate::Counters;
 use crossbeam::channel::{Receiver, Sender};
@@ -18,7 +22,7 @@ use libkv::proto::TOKEN_BYTES;
 use libkv::proto::{Done, Error, ErrorCode, Message, PageRequest, PullDone, RdmaReadDone, Tokens};
 use libkv::rdma::{ClientSession, RdmaNode};
 use libkv::tcp;
-use libkv::verify::{Manifest, VerifyError};
+use libkv::verify::{Manifest, VerifiedKv, VerifyError};
 use libkv::worker::add;
 use log::debug;
 use mio::Waker;
@@ -128,9 +132,9 @@ impl PageSource for ForeignPool {
     }
 }
 
-/// Idle connections kept per page server: one per job thread, the most that can be busy on
+/// Idle connections kept per page server: one per pull thread, the most that can be busy on
 /// one source at once, so a source never holds more than that many open connections idle.
-const IDLE_CONNECTIONS: usize = crate::JOB_THREADS;
+const IDLE_CONNECTIONS: usize = crate::PULL_THREADS;
 /// Longest a connection waits in the idle list before it is closed instead of reused. The
 /// page server closes a connection that brought no request for its own idle time (the
 /// request deadline); one it closed just as a job took it would fail that job's request for
@@ -489,36 +493,57 @@ pub(crate) struct JobContext {
     pub waker: Arc<Waker>,
 }
 
-/// A fixed pool of job threads fed by a channel. Dropping it closes the channel and joins
-/// the threads (each finishes its current job first).
+/// The job threads: pull threads fed by [`JobPool::submit`], decode threads fed by the pull
+/// threads with what they verified. Dropping it closes the pull channel and joins the pull
+/// threads (each finishes its current pull first), whose senders closing ends the decode
+/// threads once their queue is done; those are joined too.
 #[derive(Debug)]
 pub(crate) struct JobPool {
     tx: Option<Sender<Job>>,
-    threads: Vec<JoinHandle<()>>,
+    pullers: Vec<JoinHandle<()>>,
+    decoders: Vec<JoinHandle<()>>,
 }
 
 impl JobPool {
-    pub(crate) fn start(threads: usize, ctx: Arc<JobContext>) -> io::Result<JobPool> {
+    pub(crate) fn start(
+        pull_threads: usize,
+        decode_threads: usize,
+        ctx: Arc<JobContext>,
+    ) -> io::Result<JobPool> {
         let (tx, rx) = crossbeam::channel::unbounded::<Job>();
+        let (decode_tx, decode_rx) = crossbeam::channel::unbounded::<Decoding>();
         let mut pool = JobPool {
             tx: Some(tx),
-            threads: Vec::with_capacity(threads),
+            pullers: Vec::with_capacity(pull_threads),
+            decoders: Vec::with_capacity(decode_threads),
         };
-        for i in 0..threads {
-            let (rx, ctx): (Receiver<Job>, _) = (rx.clone(), Arc::clone(&ctx));
+        for i in 0..decode_threads {
+            let (rx, ctx): (Receiver<Decoding>, _) = (decode_rx.clone(), Arc::clone(&ctx));
             let handle = std::thread::Builder::new()
-                .name(format!("decoded-job-{i}"))
+                .name(format!("decoded-decode-{i}"))
                 .spawn(move || {
-                    for job in rx {
-                        run_job(&ctx, job);
+                    for d in rx {
+                        run_decode(&ctx, d);
                     }
                 })?;
-            pool.threads.push(handle);
+            pool.decoders.push(handle);
+        }
+        for i in 0..pull_threads {
+            let (rx, ctx): (Receiver<Job>, _) = (rx.clone(), Arc::clone(&ctx));
+            let decode_tx = decode_tx.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("decoded-pull-{i}"))
+                .spawn(move || {
+                    for job in rx {
+                        run_pull(&ctx, job, &decode_tx);
+                    }
+                })?;
+            pool.pullers.push(handle);
         }
         Ok(pool)
     }
 
-    /// Queues a job; gives it back if the threads are gone.
+    /// Queues a job's pull; gives it back if the threads are gone.
     pub(crate) fn submit(&self, job: Job) -> Result<(), Box<Job>> {
         match &self.tx {
             Some(tx) => tx.send(job).map_err(|e| Box::new(e.into_inner())),
@@ -530,10 +555,36 @@ impl JobPool {
 impl Drop for JobPool {
     fn drop(&mut self) {
         self.tx = None;
-        for t in self.threads.drain(..) {
+        for t in self.pullers.drain(..) {
+            let _ = t.join();
+        }
+        for t in self.decoders.drain(..) {
             let _ = t.join();
         }
     }
+}
+
+/// A job whose pages were pulled and verified, waiting for (or on) a decode thread.
+#[derive(Debug)]
+struct Decoding {
+    owner: Owner,
+    epoch: u64,
+    kv: VerifiedKv,
+    /// Pages the job holds (its whole reservation), freed when it ends.
+    held: u32,
+    prompt_tokens: u32,
+    /// Pages transferred.
+    pages: u32,
+    page_bytes: u64,
+    max_new_tokens: u32,
+    last_token: u32,
+    sampling: Sampling,
+    cancel: Arc<AtomicBool>,
+    since: Instant,
+    decode: Duration,
+    request_deadline: Instant,
+    /// When the pull thread handed it over.
+    queued: Instant,
 }
 
 /// Why a job stopped early.
@@ -555,24 +606,26 @@ fn failed(code: ErrorCode, message: String) -> Stop {
     Stop::Failed { code, message }
 }
 
-fn run_job(ctx: &JobContext, job: Job) {
-    let (owner, epoch) = (job.owner, job.epoch);
-    let pages = u32::try_from(job.res.pages().len()).unwrap_or(u32::MAX);
-    let emit = |msg: Message| match msg.encode(owner.request) {
+/// What a stage sends about its job: frames for kvctld, encoded, through `ctx`.
+fn emitter(ctx: &JobContext, owner: Owner, epoch: u64) -> impl Fn(Message) + '_ {
+    move |msg: Message| match msg.encode(owner.request) {
         Ok(bytes) => {
             let _ = ctx.events.send(JobEvent::Frame { epoch, bytes });
             let _ = ctx.waker.wake();
         }
         Err(e) => debug!("cannot encode a frame for {owner}: {e}"),
-    };
-    // `execute` consumes the job: its grant, reservation and verified pages are all dropped
-    // (pages back on the free list) before `Ended` is sent.
-    match execute(ctx, job, &emit) {
+    }
+}
+
+/// The end of a job, whichever stage it ended in: its error, if it failed, then `Ended`.
+/// Everything the job held is dropped by then.
+fn end(ctx: &JobContext, owner: Owner, epoch: u64, pages: u32, result: Result<(), Stop>) {
+    match result {
         Ok(()) => debug!("{owner} done"),
         Err(Stop::Cancelled) => debug!("{owner} cancelled"),
         Err(Stop::Failed { code, message }) => {
             debug!("{owner} failed: {code}: {message}");
-            emit(Message::from(Error {
+            emitter(ctx, owner, epoch)(Message::from(Error {
                 code,
                 message: libkv::worker::text(message),
             }));
@@ -586,7 +639,50 @@ fn run_job(ctx: &JobContext, job: Job) {
     let _ = ctx.waker.wake();
 }
 
-fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Stop> {
+/// The first stage, on a pull thread: pull and verify, then hand the verified KV to the
+/// decode threads (or end the job here).
+fn run_pull(ctx: &JobContext, job: Job, decoders: &Sender<Decoding>) {
+    let (owner, epoch) = (job.owner, job.epoch);
+    let pages = u32::try_from(job.res.pages().len()).unwrap_or(u32::MAX);
+    // `pull_and_verify` consumes the job: on failure its grant and reservation are dropped
+    // (pages back on the free list) before `Ended` is sent.
+    let result = match pull_and_verify(ctx, job, &emitter(ctx, owner, epoch)) {
+        Ok(d) => match decoders.send(d) {
+            Ok(()) => return,
+            // The decode threads are gone (stopping): the job ends with its pages.
+            Err(e) => {
+                drop(e.into_inner());
+                Err(Stop::Cancelled)
+            }
+        },
+        Err(stop) => Err(stop),
+    };
+    end(ctx, owner, epoch, pages, result);
+}
+
+/// The second stage, on a decode thread.
+fn run_decode(ctx: &JobContext, d: Decoding) {
+    let (owner, epoch) = (d.owner, d.epoch);
+    let pages = d.held;
+    let result = decode(ctx, d, &emitter(ctx, owner, epoch));
+    end(ctx, owner, epoch, pages, result);
+}
+
+/// `Err` when the job was cancelled or `deadline` passed (`what` says which stage).
+fn check(cancel: &AtomicBool, owner: Owner, deadline: Instant, what: &str) -> Result<(), Stop> {
+    if cancel.load(Ordering::Acquire) {
+        Err(Stop::Cancelled)
+    } else if Instant::now() >= deadline {
+        Err(failed(
+            ErrorCode::Timeout,
+            format!("{what} of {owner} passed its deadline"),
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+fn pull_and_verify(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<Decoding, Stop> {
     let Job {
         owner,
         mut res,
@@ -600,23 +696,12 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
         decode,
         request_deadline,
         source,
-        ..
+        epoch,
     } = job;
-    let check = |deadline: Instant, what: &str| {
-        if cancel.load(Ordering::Acquire) {
-            Err(Stop::Cancelled)
-        } else if Instant::now() >= deadline {
-            Err(failed(
-                ErrorCode::Timeout,
-                format!("{what} of {owner} passed its deadline"),
-            ))
-        } else {
-            Ok(())
-        }
-    };
     let counters = &ctx.counters;
+    let held = u32::try_from(res.pages().len()).unwrap_or(u32::MAX);
     let pull_deadline = (Instant::now() + transfer).min(request_deadline);
-    check(pull_deadline, "pull")?;
+    check(&cancel, owner, pull_deadline, "pull")?;
 
     // The manifest is untrusted: it may name only pages of the prefill pool, and no more
     // than the reservation's prompt pages (the targets are the reservation's own pages).
@@ -652,7 +737,7 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
     {
         let internal = |e: libkv::pool::PoolError| failed(ErrorCode::Internal, e.to_string());
         let mut grant = res.grant_write().map_err(internal)?;
-        let keep_going = || check(pull_deadline, "pull").is_ok();
+        let keep_going = || check(&cancel, owner, pull_deadline, "pull").is_ok();
         let pull_start = Instant::now();
         let pulled = source.pull(&manifest, &mut grant, &keep_going);
         add(&counters.pull_us, micros(pull_start.elapsed()));
@@ -660,12 +745,12 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
             Ok(()) => {}
             // Stopped: say why (cancelled or past the deadline).
             Err(None) => {
-                check(pull_deadline, "pull")?;
+                check(&cancel, owner, pull_deadline, "pull")?;
                 return Err(Stop::Cancelled);
             }
             Err(Some((code, message))) => {
                 // A cancel or a deadline may be why the source failed; they take precedence.
-                check(pull_deadline, "pull")?;
+                check(&cancel, owner, pull_deadline, "pull")?;
                 return Err(failed(code, message));
             }
         }
@@ -676,7 +761,7 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
     let verify_start = Instant::now();
     let verified = res.verify(&manifest);
     add(&counters.verify_us, micros(verify_start.elapsed()));
-    let mut kv = match verified {
+    let kv = match verified {
         Ok(kv) => kv,
         Err(e) => {
             add(&counters.verify_failed, 1);
@@ -699,17 +784,68 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
     };
     add(&counters.verified, 1);
     emit(PullDone { owner }.into());
+    Ok(Decoding {
+        owner,
+        epoch,
+        kv,
+        held,
+        prompt_tokens: manifest.tokens,
+        pages: u32::try_from(manifest.pages.len()).unwrap_or(u32::MAX),
+        page_bytes,
+        max_new_tokens,
+        last_token,
+        sampling,
+        cancel,
+        since,
+        decode,
+        request_deadline,
+        queued: Instant::now(),
+    })
+}
 
+fn decode(ctx: &JobContext, d: Decoding, emit: &dyn Fn(Message)) -> Result<(), Stop> {
+    let Decoding {
+        owner,
+        mut kv,
+        prompt_tokens,
+        pages,
+        page_bytes,
+        max_new_tokens,
+        last_token,
+        sampling,
+        cancel,
+        since,
+        decode,
+        request_deadline,
+        queued,
+        ..
+    } = d;
+    let counters = &ctx.counters;
+    let waited = queued.elapsed();
+    add(&counters.decode_wait_us, micros(waited));
+    if cancel.load(Ordering::Acquire) {
+        return Err(Stop::Cancelled);
+    }
+    if Instant::now() >= request_deadline {
+        return Err(failed(
+            ErrorCode::Timeout,
+            format!(
+                "{owner} waited {} ms for a decode thread (all were decoding other requests) \
+                 and passed its request deadline",
+                waited.as_millis()
+            ),
+        ));
+    }
+    // The decode deadline counts from the first step, not from the wait for a thread.
     let decode_deadline = (Instant::now() + decode).min(request_deadline);
     let model: &dyn ModelRunner = ctx.model.as_ref();
     let mut batch = Vec::with_capacity(TOKENS_PER_FRAME);
     let mut first_index = 0u32;
     let mut last_frame = Instant::now();
-    check(decode_deadline, "decode")?;
     let output = libkv::model::decode_with(
         model,
         &mut kv,
-        manifest.tokens,
+        prompt_tokens,
         last_token,
         max_new_tokens,
         &sampling,
@@ -732,7 +868,7 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
                 );
                 first_index = step + 1;
             }
-            check(decode_deadline, "decode")
+            check(&cancel, owner, decode_deadline, "decode")
         },
     )?;
     if !batch.is_empty() {
@@ -745,12 +881,10 @@ fn execute(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result<(), Sto
             .into(),
         );
     }
-    let signature = output.signature;
-    let pages = u32::try_from(manifest.pages.len()).unwrap_or(u32::MAX);
     emit(
         Done {
             tokens: u32::try_from(output.tokens.len()).unwrap_or(u32::MAX),
-            signature,
+            signature: output.signature,
             pages_transferred: pages,
             bytes_transferred: u64::from(pages) * page_bytes,
             elapsed_us: u64::try_from(since.elapsed().as_micros()).unwrap_or(u64::MAX),
@@ -772,8 +906,181 @@ fn micros(d: Duration) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use libkv::PageGeometry;
+    use libkv::model::{KvCache, ModelError, PageWrite, ReferenceModel, tokenize};
+    use libkv::pool::{PagePool, PoolOptions};
+    use libkv::testkit::owner;
+    use libkv::verify::page_digest;
     use std::io::Read as _;
     use std::net::TcpListener;
+
+    /// The reference model, each decode step slowed to `step` (a model busy computing).
+    #[derive(Debug)]
+    struct Slow {
+        inner: ReferenceModel,
+        step: Duration,
+    }
+
+    impl ModelRunner for Slow {
+        fn geometry(&self) -> &PageGeometry {
+            self.inner.geometry()
+        }
+        fn vocab(&self) -> u32 {
+            self.inner.vocab()
+        }
+        fn model_id(&self) -> String {
+            self.inner.model_id()
+        }
+        fn prefill_chunked(
+            &self,
+            prompt: &[u32],
+            pages: &mut dyn PageWrite,
+            keep_going: &mut dyn FnMut(usize) -> bool,
+        ) -> Result<bool, ModelError> {
+            self.inner.prefill_chunked(prompt, pages, keep_going)
+        }
+        fn step(
+            &self,
+            kv: &mut dyn KvCache,
+            input: u32,
+            step: u32,
+            prompt_len: u32,
+        ) -> Result<u32, ModelError> {
+            std::thread::sleep(self.step);
+            self.inner.step(kv, input, step, prompt_len)
+        }
+    }
+
+    /// What one job's frames said, in order.
+    fn frames(events: &Receiver<JobEvent>, until: usize) -> Vec<(u64, Message)> {
+        let mut out = Vec::new();
+        let mut ended = 0;
+        while ended < until {
+            match events
+                .recv_timeout(Duration::from_secs(30))
+                .expect("a job event")
+            {
+                JobEvent::Frame { bytes, .. } => {
+                    let (h, m) = libkv::proto::decode_frame(&bytes, 0).expect("frame");
+                    out.push((h.request_id.0, m));
+                }
+                JobEvent::Ended { .. } => ended += 1,
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_pull_does_not_wait_for_the_decodes_that_hold_every_decode_thread() {
+        let g = libkv::testkit::test_config("/nonexistent".into()).geometry;
+        let model = Arc::new(Slow {
+            inner: ReferenceModel::new(g).unwrap(),
+            step: Duration::from_millis(20),
+        });
+        let prefill = PagePool::host(c"jobtest-prefill", g, 64, PoolOptions::default()).unwrap();
+        let decode = PagePool::host(c"jobtest-decode", g, 64, PoolOptions::default()).unwrap();
+        let source: Arc<dyn PageSource> = Arc::new(
+            ForeignPool::map(prefill.memory().share_fd().unwrap(), g.bytes_per_page(), 64).unwrap(),
+        );
+        let poll = mio::Poll::new().unwrap();
+        let waker = Arc::new(Waker::new(poll.registry(), mio::Token(0)).unwrap());
+        let (events_tx, events) = crossbeam::channel::unbounded();
+        let jobs = JobPool::start(
+            2,
+            2,
+            Arc::new(JobContext {
+                model: model.clone(),
+                counters: Arc::new(Counters::default()),
+                events: events_tx,
+                waker,
+            }),
+        )
+        .unwrap();
+        let mut held = Vec::new();
+        let job = |r: u64, max_new: u32, held: &mut Vec<Reservation>| {
+            let prompt = tokenize(format!("request {r} of the queueing test").as_bytes());
+            let n = u32::try_from(prompt.len()).unwrap();
+            let mut pre = prefill.reserve(owner(r), n, u64::from(n)).unwrap();
+            let mut grant = pre.grant_write().unwrap();
+            model.inner.prefill(&prompt, &mut grant).unwrap();
+            let digests = (0..grant.pages().len())
+                .map(|i| page_digest(grant.page_mut(i).unwrap()))
+                .collect();
+            let pages = grant.pages().to_vec();
+            drop(grant);
+            held.push(pre);
+            Job {
+                owner: owner(r),
+                res: decode.reserve(owner(r), n, u64::from(n + max_new)).unwrap(),
+                manifest: Manifest {
+                    owner: owner(r),
+                    tokens: n,
+                    pages,
+                    digests,
+                },
+                max_new_tokens: max_new,
+                last_token: *prompt.last().unwrap(),
+                sampling: Sampling::GREEDY,
+                cancel: Arc::new(AtomicBool::new(false)),
+                since: Instant::now(),
+                transfer: Duration::from_secs(1),
+                decode: Duration::from_secs(60),
+                request_deadline: Instant::now() + Duration::from_secs(60),
+                source: Arc::clone(&source),
+                epoch: 1,
+            }
+        };
+        // Two decodes of 100 steps (2 s each) take both decode threads; the third's pull
+        // must not wait for them: it is done, within its 1 s transfer deadline, while they
+        // still decode, and its decode follows.
+        for r in [1, 2] {
+            jobs.submit(job(r, 100, &mut held)).unwrap();
+        }
+        let mut seen = Vec::new();
+        let busy = Instant::now();
+        loop {
+            let decoding: std::collections::HashSet<u64> = seen
+                .iter()
+                .filter(|(_, m)| matches!(m, Message::Tokens(_)))
+                .map(|(r, _)| *r)
+                .collect();
+            if decoding.len() == 2 {
+                break;
+            }
+            assert!(
+                busy.elapsed() < Duration::from_secs(10),
+                "the decodes did not start"
+            );
+            if let Ok(JobEvent::Frame { bytes, .. }) =
+                events.recv_timeout(Duration::from_millis(100))
+            {
+                let (h, m) = libkv::proto::decode_frame(&bytes, 0).expect("frame");
+                seen.push((h.request_id.0, m));
+            }
+        }
+        jobs.submit(job(3, 4, &mut held)).unwrap();
+        seen.extend(frames(&events, 3));
+        let at = |want: &dyn Fn(u64, &Message) -> bool| {
+            seen.iter()
+                .position(|(r, m)| want(*r, m))
+                .unwrap_or_else(|| panic!("not seen in {seen:?}"))
+        };
+        let third_pulled = at(&|r, m| r == 3 && matches!(m, Message::PullDone(_)));
+        let first_done = at(&|r, m| r <= 2 && matches!(m, Message::Done(_)));
+        assert!(
+            third_pulled < first_done,
+            "the third pull waited for a decode to finish: {seen:?}"
+        );
+        for r in 1..=3 {
+            assert!(
+                seen.iter()
+                    .any(|(id, m)| *id == r && matches!(m, Message::Done(_))),
+                "request {r} did not finish: {seen:?}"
+            );
+        }
+        drop(jobs);
+        drop(held);
+    }
 
     /// A connected pair on loopback: (the client's end, the server's end).
     fn pair() -> (TcpStream, TcpStream) {

@@ -44,8 +44,11 @@ use std::time::Instant;
 
 pub use libkv::worker::{RunOptions, Shutdown, WorkerError};
 
-/// Job threads: pulls and decodes run here, never on the event loop.
-pub const JOB_THREADS: usize = 2;
+/// Pull threads: pulls and verification run here, never on the event loop, and never
+/// behind a decode.
+pub const PULL_THREADS: usize = 2;
+/// Decode threads: each decodes one verified request at a time.
+pub const DECODE_THREADS: usize = 2;
 
 libkv::worker_counters! {
     /// Counters reported in every `PoolReport`, after the link's `frames_received`. Shared
@@ -72,6 +75,8 @@ libkv::worker_counters! {
         /// readings give the split of a transfer (`kvttftbench`).
         pull_us,
         verify_us,
+        /// Time verified requests waited for a decode thread.
+        decode_wait_us,
     }
 }
 
@@ -136,7 +141,8 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
     let counters = Arc::new(Counters::default());
     let (events_tx, events) = crossbeam::channel::unbounded();
     let jobs = JobPool::start(
-        JOB_THREADS,
+        PULL_THREADS,
+        DECODE_THREADS,
         Arc::new(JobContext {
             model,
             counters: Arc::clone(&counters),
