@@ -772,17 +772,26 @@ fn two_kvctld_elected_through_etcd_take_over_from_each_other() {
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status json");
         v["cluster"].clone()
     };
-    let listed = members(&cluster);
-    assert_eq!(
-        listed["leader"]["addr"],
-        format!("{}:7443", KVCTLD_HOSTS[leader]),
-        "{listed:#}"
-    );
     let entry = |c: &serde_json::Value, id: &str| {
         c["members"]
             .as_array()
             .and_then(|m| m.iter().find(|m| m["id"] == id).cloned())
     };
+    // etcd was stopped for longer than the workers' leases: it may expire them as it resumes,
+    // and each worker then publishes itself again under a new lease. Wait for that.
+    let listed = wait_until(WAIT, || {
+        let listed = members(&cluster);
+        ["prefill-0", "decode-0"]
+            .iter()
+            .all(|id| entry(&listed, id).is_some_and(|m| m["registered"] == true))
+            .then_some(listed)
+    })
+    .unwrap_or_else(|| panic!("the workers are not listed: {:#}", members(&cluster)));
+    assert_eq!(
+        listed["leader"]["addr"],
+        format!("{}:7443", KVCTLD_HOSTS[leader]),
+        "{listed:#}"
+    );
     for (i, (id, role)) in [("prefill-0", "prefill"), ("decode-0", "decode")]
         .into_iter()
         .enumerate()
