@@ -87,6 +87,12 @@ pub enum ConfigError {
     #[error("[tls]: {reason}")]
     BadTls { reason: String },
 
+    #[error("max_batch = {max_batch}: it {reason}")]
+    BadBatch {
+        max_batch: u32,
+        reason: &'static str,
+    },
+
     #[error("[election]: {reason}")]
     BadElection { reason: String },
 
@@ -931,9 +937,25 @@ pub struct PoolConfig {
     /// CUDA device ordinal; ignored by the host backend.
     #[serde(default)]
     pub cuda_device: u32,
+    /// `[decode]` only: most requests the worker decodes together, one forward step over
+    /// all of them. kvctld admits no more to one decode worker at once and queues the rest
+    /// (`deadlines.admission_wait`).
+    /// `[prefill]` refuses it. See [`PoolConfig::max_batch`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_batch: Option<u32>,
 }
 
+/// Largest accepted `decode.max_batch`.
+pub const MAX_BATCH: u32 = 256;
+/// `decode.max_batch` when it is not set.
+pub const DEFAULT_MAX_BATCH: u32 = 16;
+
 impl PoolConfig {
+    /// Most requests decoded together: `max_batch`, else [`DEFAULT_MAX_BATCH`].
+    pub fn max_batch(&self) -> u32 {
+        self.max_batch.unwrap_or(DEFAULT_MAX_BATCH)
+    }
+
     /// Bytes of the pool: `pool_pages * bytes_per_page`. Saturates at `u64::MAX`, which no
     /// validated configuration reaches (validation caps a pool at [`MAX_POOL_BYTES`]).
     pub fn pool_bytes(&self, geometry: &PageGeometry) -> u64 {
@@ -1288,6 +1310,7 @@ impl Config {
                 scrub: Scrub::Off,
                 backend: Backend::Host,
                 cuda_device: 0,
+                max_batch: None,
             },
             decode: PoolConfig {
                 pool_pages: 1024,
@@ -1295,6 +1318,7 @@ impl Config {
                 scrub: Scrub::Off,
                 backend: Backend::Host,
                 cuda_device: 0,
+                max_batch: Some(DEFAULT_MAX_BATCH),
             },
             deadlines: Deadlines {
                 admission_wait: 500,
@@ -1392,6 +1416,21 @@ impl Config {
                 pool_pages: pool.pool_pages,
                 tokens_per_page: g.tokens_per_page,
             });
+        }
+        match (side, pool.max_batch) {
+            (Side::Prefill, Some(max_batch)) => {
+                return Err(ConfigError::BadBatch {
+                    max_batch,
+                    reason: "is a [decode] key; prefill has no batch",
+                });
+            }
+            (Side::Decode, Some(max_batch)) if !(1..=MAX_BATCH).contains(&max_batch) => {
+                return Err(ConfigError::BadBatch {
+                    max_batch,
+                    reason: "must be between 1 and 256",
+                });
+            }
+            _ => {}
         }
         let bytes_per_page = g.bytes_per_page();
         let pool_bytes = u128::from(pool.pool_pages) * u128::from(bytes_per_page);
@@ -1838,6 +1877,29 @@ mod tests {
         assert_eq!(c.decode.scrub, Scrub::OnFree);
         assert_eq!(c.decode.backend, Backend::Cuda);
         assert_eq!(c.decode.cuda_device, 3);
+        assert_eq!(c.decode.max_batch(), DEFAULT_MAX_BATCH, "the default batch");
+        for (batch, ok) in [
+            (0, false),
+            (1, true),
+            (MAX_BATCH, true),
+            (MAX_BATCH + 1, false),
+        ] {
+            let text = minimal(16, 4096, 256, 1024, 1024)
+                .replace("[decode]\n", &format!("[decode]\nmax_batch = {batch}\n"));
+            let parsed = Config::from_toml_str(&text);
+            assert_eq!(parsed.is_ok(), ok, "max_batch {batch}: {parsed:?}");
+            if !ok {
+                assert!(
+                    matches!(parsed, Err(ConfigError::BadBatch { max_batch, .. }) if max_batch == batch)
+                );
+            }
+        }
+        let prefill =
+            minimal(16, 4096, 256, 1024, 1024).replace("[prefill]\n", "[prefill]\nmax_batch = 4\n");
+        assert!(matches!(
+            Config::from_toml_str(&prefill),
+            Err(ConfigError::BadBatch { max_batch: 4, .. })
+        ));
         let bad = minimal(16, 4096, 256, 1024, 1024)
             .replace("[decode]\n", "[decode]\nscrub = \"always\"\n");
         assert!(matches!(

@@ -125,6 +125,26 @@ impl KvCache for VerifiedKv {
     }
 }
 
+/// One request's part of a batched decode step ([`ModelRunner::sample_batch`]): the
+/// arguments of [`ModelRunner::sample`].
+pub struct BatchStep<'a> {
+    pub kv: &'a mut dyn KvCache,
+    pub input: u32,
+    pub step: u32,
+    pub prompt_len: u32,
+    pub sampling: &'a Sampling,
+}
+
+impl std::fmt::Debug for BatchStep<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchStep")
+            .field("input", &self.input)
+            .field("step", &self.step)
+            .field("prompt_len", &self.prompt_len)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A model that prefills KV into pages and decodes from verified pages. The daemons only see
 /// this trait: the reference model here, or a real one (the `llama` crate).
 pub trait ModelRunner: Send + Sync + std::fmt::Debug {
@@ -170,6 +190,17 @@ pub trait ModelRunner: Send + Sync + std::fmt::Debug {
     ) -> Result<u32, ModelError> {
         let _ = sampling;
         self.step(kv, input, step, prompt_len)
+    }
+    /// One decode step of every request of `batch` together: the result of each is exactly
+    /// what [`ModelRunner::sample`] gives for that request alone, token for token. A model
+    /// that can share work across requests (a real model reads each weight once per step for
+    /// the whole batch) overrides it; the default steps them one by one. A failure is that
+    /// request's alone.
+    fn sample_batch(&self, batch: &mut [BatchStep<'_>]) -> Vec<Result<u32, ModelError>> {
+        batch
+            .iter_mut()
+            .map(|b| self.sample(&mut *b.kv, b.input, b.step, b.prompt_len, b.sampling))
+            .collect()
     }
     /// What the worker registers as its model: kvctld pairs only workers that agree on it.
     fn model_id(&self) -> String;
