@@ -2,7 +2,8 @@
 //!
 //! - [`gguf`]: the GGUF file format (metadata and tensors) and exact dequantization of the
 //!   tensor types a model file holds.
-//! - [`weights`]: the model's hyper-parameters and its weights, dequantized to f32.
+//! - [`weights`]: the model's hyper-parameters and its weights, dequantized to f32, and the
+//!   quantized blocks ([`quant`]) decode multiplies.
 //! - [`tokenizer`]: byte-level BPE from the GGUF vocabulary; [`chat`]: the ChatML template.
 //! - [`load`]: the runner and tokenizer a worker's `[model]` section names.
 //! - [`codec`]: text to tokens and back for clients of the served model (kvctl, openaid).
@@ -17,6 +18,7 @@ pub mod gguf;
 pub mod layout;
 pub mod load;
 mod math;
+pub mod quant;
 pub mod runner;
 pub mod sample;
 pub mod tokenizer;

@@ -10,7 +10,9 @@
 //! ever split.
 //!
 //! The decode's matrix-vector products run a kernel compiled for AVX2 and FMA when the CPU
-//! has them (detected at run time), the portable one otherwise. The two round differently
+//! has them (detected at run time), the portable one otherwise; the weight products of a
+//! decode step are [`crate::quant::matvec_multi`]'s, which sum each row exactly as
+//! [`dot_row`] does. The two round differently
 //! (FMA rounds once per multiply-add), so a result depends on the CPU; both sides of a
 //! comparison (monolithic and disaggregated) run on one machine and agree bit for bit. The
 //! batched products go through `matrixmultiply`'s sgemm, which also picks its kernel by CPU.
@@ -306,6 +308,17 @@ fn dot_body<const FMA: bool, const K: usize>(a: &[f32], b: &[f32]) -> f32 {
 /// (attention's `head_dim`) one per row, four rows at a time.
 const WIDE_ROWS: usize = 256;
 
+/// One row of [`matvec`]'s product, `row · x`, summed exactly as `matvec` sums it (for
+/// kernels that take rows one at a time: [`crate::quant::matvec_multi`]).
+#[inline(always)]
+pub(crate) fn dot_row<const FMA: bool>(row: &[f32], x: &[f32]) -> f32 {
+    if x.len() >= WIDE_ROWS {
+        dot_body::<FMA, 4>(row, x)
+    } else {
+        dot_body::<FMA, 1>(row, x)
+    }
+}
+
 /// Four short rows at once, four independent chains. Each row is summed exactly as
 /// `dot_body::<FMA, 1>` sums it, so results do not depend on how rows are grouped.
 #[inline(always)]
@@ -399,7 +412,7 @@ fn weighted_sum_avx2(p: &[f32], v: &[f32], out: &mut [f32]) {
 
 /// Whether the AVX2+FMA kernels may run on this CPU.
 #[inline]
-fn has_avx2_fma() -> bool {
+pub(crate) fn has_avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
@@ -430,32 +443,6 @@ pub(crate) fn matvec(w: &[f32], x: &[f32], out: &mut [f32]) {
         return;
     }
     matvec_body::<false>(w, x, out);
-}
-
-/// Rows `rows` of `W x` into `out` (`rows.len()` long), for `W` row-major with `x.len()`
-/// columns.
-pub(crate) fn matvec_rows(w: &[f32], x: &[f32], rows: Range<usize>, out: &mut [f32]) {
-    let cols = x.len();
-    matvec(&w[rows.start * cols..rows.end * cols], x, out);
-}
-
-/// Rows `rows` of `[W_0; W_1; ...] x`, the matrices stacked, into `out`.
-pub(crate) fn matvec_stacked(ws: &[&[f32]], x: &[f32], rows: Range<usize>, out: &mut [f32]) {
-    let cols = x.len().max(1);
-    let mut base = 0;
-    for w in ws {
-        let n = w.len() / cols;
-        let (lo, hi) = (rows.start.max(base), rows.end.min(base + n));
-        if lo < hi {
-            matvec_rows(
-                w,
-                x,
-                lo - base..hi - base,
-                &mut out[lo - rows.start..hi - rows.start],
-            );
-        }
-        base += n;
-    }
 }
 
 /// `a · b` with the matrix-vector kernel.
@@ -994,6 +981,8 @@ mod tests {
         }
     }
 
+    use crate::quant::{Mat, matvec_multi, matvec_multi_stacked};
+
     /// `[W1; W2] x` by a team of `threads`, each member its share of the rows.
     fn team_matvec(w1: &[f32], w2: &[f32], x: &[f32], threads: usize) -> Vec<f32> {
         let rows = (w1.len() + w2.len()) / x.len();
@@ -1001,7 +990,9 @@ mod tests {
         team(threads, |m| {
             let r = m.share(rows);
             let mut part = vec![0f32; r.len()];
-            matvec_stacked(&[w1, w2], x, r.clone(), &mut part);
+            let cols = x.len();
+            let ms = [Mat::F32 { w: w1, cols }, Mat::F32 { w: w2, cols }];
+            matvec_multi_stacked(&ms, &[x], r.clone(), &mut part);
             out.store(r.start, &part);
             m.sync();
         });
@@ -1109,7 +1100,7 @@ mod tests {
                 matvec(&w[r * cols..], &x, &mut one);
                 assert_eq!(one[0], all[r], "cols {cols} row {r}");
                 let mut from = vec![0f32; rows - r];
-                matvec_rows(&w, &x, r..rows, &mut from);
+                matvec_multi(Mat::F32 { w: &w, cols }, &[&x], r..rows, &mut from);
                 assert_eq!(from, all[r..], "cols {cols} rows {r}..");
             }
         }

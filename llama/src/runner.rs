@@ -42,13 +42,24 @@
 //!   append them to the cache after the forward pass. Attention reads the page bytes in
 //!   place, one `tokens_per_page x head_dim` slab per page, layer, K/V and head.
 //!
+//! # Batched, quantized decode
+//!
+//! [`ModelRunner::sample_batch`] runs one decode step of several requests as one forward
+//! pass: each weight row is read once and multiplied with every request's vector, and each
+//! request attends over its own pages. Decode multiplies the file's Q4_1 and Q8_0 blocks as
+//! they are ([`crate::quant`]), dequantizing a row where it is used, with the same
+//! arithmetic and summation as the f32 weights: a request's logits are bit for bit the same
+//! alone, in any batch, quantized or not ([`LlamaRunner::with_quantized_decode`]), and a
+//! single [`ModelRunner::step`] is a batch of one.
+//!
 //! # Threads
 //!
 //! Prefill splits the rows of each product, and the attention heads, over the runner's
 //! threads. A decode step starts its threads once and they run the whole forward pass
-//! together, each taking a share of the rows of every product and of the query heads, meeting
-//! at a spinning barrier between phases (see the `math` module). The thread count changes no
-//! result: threads split independent outputs only, never a sum.
+//! together, each taking a share of the rows of every product (for every request of the
+//! batch) and of each request's query heads, meeting at a spinning barrier between phases
+//! (see the `math` module). The thread count changes no result: threads split independent
+//! outputs only, never a sum.
 //!
 //! # Errors
 //!
@@ -59,12 +70,13 @@
 
 use std::fmt;
 
-use libkv::model::{KvCache, ModelError, ModelRunner, PageWrite};
+use libkv::model::{BatchStep, KvCache, ModelError, ModelRunner, PageWrite};
 use libkv::proto::Sampling;
 use libkv::{Kv, PageGeometry};
 
 use crate::math::{self, View};
-use crate::weights::{LayerWeights, LlamaConfig, LlamaWeights};
+use crate::quant::{self, Mat, QuantMatrix};
+use crate::weights::{LayerQuant, LayerWeights, LlamaConfig, LlamaWeights};
 
 /// Tokens per prefill chunk (rounded down to whole pages, at least one page).
 pub const CHUNK_TOKENS: usize = 256;
@@ -116,7 +128,29 @@ impl Dims {
     }
 }
 
+/// Where one request's decode step runs: its position, the positions its attention reads
+/// from the pages, and whether the token's K/V is computed here (and appended after).
+#[derive(Clone, Copy, Debug)]
+struct Plan {
+    pos: u64,
+    read: usize,
+    fresh: bool,
+}
+
+/// What a decode step computed for one request: its logits, and its token's K/V
+/// (`[layer][K, V][kv_heads * head_dim]`, empty unless the step appends it).
+type Stepped = (Vec<f32>, Vec<f32>);
+
+/// One request of a batched decode step, checked and ready to run.
+struct StepIn<'a> {
+    /// The pages holding positions `0..plan.read`.
+    pages: Vec<&'a [u8]>,
+    token: u32,
+    plan: Plan,
+}
+
 /// A Llama-architecture model over kvfence pages (see the module docs).
+#[derive(Clone)]
 pub struct LlamaRunner {
     w: LlamaWeights,
     g: PageGeometry,
@@ -127,6 +161,9 @@ pub struct LlamaRunner {
     freqs: Vec<f64>,
     vocab: u32,
     model_id: String,
+    /// Whether decode multiplies the file's quantized blocks (where it has them) rather
+    /// than the f32 copies; the products are the same, the memory read is not.
+    quantized: bool,
 }
 
 impl fmt::Debug for LlamaRunner {
@@ -185,6 +222,7 @@ impl LlamaRunner {
             vocab,
             w: weights,
             model_id: "llama".to_owned(),
+            quantized: true,
         })
     }
 
@@ -201,6 +239,14 @@ impl LlamaRunner {
     pub fn with_chunk_tokens(mut self, tokens: usize) -> LlamaRunner {
         let tpp = self.g.tokens_per_page as usize;
         self.chunk_tokens = (tokens / tpp).max(1) * tpp;
+        self
+    }
+
+    /// The same runner decoding with the f32 copies of the weights even where the file's
+    /// quantized blocks are kept (`false`), as it did before decode multiplied blocks: the
+    /// tokens are the same, the time is not (`kvllmbench runner` compares the two).
+    pub fn with_quantized_decode(mut self, quantized: bool) -> LlamaRunner {
+        self.quantized = quantized;
         self
     }
 
@@ -228,6 +274,84 @@ impl LlamaRunner {
         step: u32,
         prompt_len: u32,
     ) -> Result<Vec<f32>, ModelError> {
+        let mut one = [BatchStep {
+            kv,
+            input,
+            step,
+            prompt_len,
+            sampling: &Sampling::GREEDY,
+        }];
+        let [logits] = self
+            .logits_batch(&mut one)
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("one result per request"));
+        logits
+    }
+
+    /// One decode step of each request of `batch` together: their logits, in order (the
+    /// sampling of each is not read). A request that cannot step (a token outside the
+    /// vocabulary, a step past its cache, an unreadable page) fails alone; the others run as
+    /// one batch, each weight read once for all of them. The K/V a step computes is appended
+    /// to its cache after the forward pass.
+    pub fn logits_batch(&self, batch: &mut [BatchStep<'_>]) -> Vec<Result<Vec<f32>, ModelError>> {
+        let mut plans: Vec<Option<Plan>> = vec![None; batch.len()];
+        let mut outputs: Vec<Result<Stepped, ModelError>> = {
+            let mut steps = Vec::with_capacity(batch.len());
+            let mut failed: Vec<Option<ModelError>> = Vec::with_capacity(batch.len());
+            for (b, slot) in batch.iter().zip(plans.iter_mut()) {
+                let kv: &dyn KvCache = &*b.kv;
+                let ready = self
+                    .plan(kv, b.input, b.step, b.prompt_len)
+                    .and_then(|plan| Ok((plan, self.readable_pages(kv, plan.read)?)));
+                match ready {
+                    Ok((plan, pages)) => {
+                        *slot = Some(plan);
+                        steps.push(StepIn {
+                            pages,
+                            token: b.input,
+                            plan,
+                        });
+                        failed.push(None);
+                    }
+                    Err(e) => failed.push(Some(e)),
+                }
+            }
+            let mut ran = self.forward_batch(&steps).into_iter();
+            failed
+                .into_iter()
+                .map(|f| match f {
+                    Some(e) => Err(e),
+                    None => ran
+                        .next()
+                        .ok_or_else(|| ModelError::Failed("a batched step lost a request".into())),
+                })
+                .collect()
+        };
+        for (b, (out, plan)) in batch.iter_mut().zip(outputs.iter_mut().zip(&plans)) {
+            let (Ok((_, new_kv)), Some(plan)) = (&*out, plan) else {
+                continue;
+            };
+            if plan.fresh
+                && let Err(e) = self.append(&mut *b.kv, new_kv)
+            {
+                *out = Err(e);
+            }
+        }
+        outputs
+            .into_iter()
+            .map(|r| r.map(|(logits, _)| logits))
+            .collect()
+    }
+
+    /// Where a decode step of `input` at `step` of a `prompt_len`-token prompt runs, checked
+    /// against the cache.
+    fn plan(
+        &self,
+        kv: &dyn KvCache,
+        input: u32,
+        step: u32,
+        prompt_len: u32,
+    ) -> Result<Plan, ModelError> {
         self.check_token(input)?;
         let pos = u64::from(prompt_len)
             .checked_sub(1)
@@ -244,28 +368,27 @@ impl LlamaRunner {
         // the prefill wrote it.
         let read = usize::try_from(if fresh { pos } else { pos + 1 })
             .map_err(|_| ModelError::Failed(format!("position {pos} is out of range")))?;
-        let (logits, new_kv) = {
-            let pages = self.readable_pages(&*kv, read)?;
-            self.forward_token(&pages, input, pos, read, fresh)
-        };
-        if fresh {
-            let mut short = None;
-            let need = self.page_bytes();
-            kv.append(&mut |page, slot| {
-                if page.len() < need {
-                    short = Some(page.len());
-                    return;
-                }
-                self.write_slot(page, slot, &new_kv);
-            })
-            .map_err(ModelError::Pool)?;
-            if let Some(len) = short {
-                return Err(ModelError::Failed(format!(
-                    "a cache page has {len} bytes, the geometry needs {need}"
-                )));
+        Ok(Plan { pos, read, fresh })
+    }
+
+    /// Appends a step's K/V (`[layer][K, V][kv_heads * head_dim]`) to the cache.
+    fn append(&self, kv: &mut dyn KvCache, new_kv: &[f32]) -> Result<(), ModelError> {
+        let mut short = None;
+        let need = self.page_bytes();
+        kv.append(&mut |page, slot| {
+            if page.len() < need {
+                short = Some(page.len());
+                return;
             }
+            self.write_slot(page, slot, new_kv);
+        })
+        .map_err(ModelError::Pool)?;
+        match short {
+            Some(len) => Err(ModelError::Failed(format!(
+                "a cache page has {len} bytes, the geometry needs {need}"
+            ))),
+            None => Ok(()),
         }
-        Ok(logits)
     }
 
     fn check_token(&self, token: u32) -> Result<(), ModelError> {
@@ -314,158 +437,209 @@ impl LlamaRunner {
             .collect()
     }
 
-    /// One token's forward pass at `pos`: attention reads positions `0..read` from `pages`,
-    /// and, when `fresh`, the token's own K/V computed here. Returns the logits and, when
-    /// `fresh`, the token's rounded K/V, `[layer][K, V][kv_heads * head_dim]`.
-    ///
-    /// The runner's threads run it together as a [`math::team`]: each computes its share
-    /// of the rows of every product and of the query heads of the attention.
-    fn forward_token(
-        &self,
-        pages: &[&[u8]],
-        token: u32,
-        pos: u64,
-        read: usize,
-        fresh: bool,
-    ) -> (Vec<f32>, Vec<f32>) {
-        let d = self.d;
-        // Rows of the first product: Q, and K and V when the token's KV is not in the pages.
-        let qkv = d.q() + if fresh { 2 * d.kv() } else { 0 };
-        // One shared vector per phase of a layer, so that no member stores into a vector
-        // another may still be loading from (members are at most one barrier apart).
-        let s_qkv = math::SharedVec::new(qkv);
-        let s_att = math::SharedVec::new(d.q());
-        let s_wo = math::SharedVec::new(d.hidden);
-        let s_act = math::SharedVec::new(d.ffn);
-        let s_down = math::SharedVec::new(d.hidden);
-        let parts = math::team(self.threads, |m| {
-            self.forward_member(
-                m,
-                pages,
-                token,
-                pos,
-                read,
-                fresh,
-                [&s_qkv, &s_att, &s_wo, &s_act, &s_down],
-            )
-        });
-        let mut logits = Vec::with_capacity(d.vocab);
-        let mut new_kv = Vec::new();
-        for (i, (part, kv)) in parts.into_iter().enumerate() {
-            logits.extend(part);
-            if i == 0 {
-                new_kv = kv;
-            }
+    /// A decode matrix as decode multiplies it: the file's quantized blocks where the runner
+    /// has them and uses them, else the f32 copy.
+    fn mat<'a>(&'a self, f: &'a [f32], q: Option<&'a QuantMatrix>, cols: usize) -> Mat<'a> {
+        match q {
+            Some(q) if self.quantized => Mat::Quant(q),
+            _ => Mat::F32 { w: f, cols },
         }
-        (logits, new_kv)
     }
 
-    /// Member `m`'s part of [`Self::forward_token`]: its share of the logits, and (member 0)
-    /// the token's K/V.
-    #[allow(clippy::too_many_arguments)]
+    /// Layer `l`'s decode matrices `[wq, wk, wv, wo, w_gate, w_up, w_down]`.
+    fn layer_mats(&self, l: usize) -> [Mat<'_>; 7] {
+        let (lw, d) = (&self.w.layers[l], self.d);
+        let lq = self.w.quant.layers.get(l);
+        let q = |f: fn(&LayerQuant) -> &Option<QuantMatrix>| lq.and_then(|lq| f(lq).as_ref());
+        [
+            self.mat(&lw.wq, q(|l| &l.wq), d.hidden),
+            self.mat(&lw.wk, q(|l| &l.wk), d.hidden),
+            self.mat(&lw.wv, q(|l| &l.wv), d.hidden),
+            self.mat(&lw.wo, q(|l| &l.wo), d.q()),
+            self.mat(&lw.w_gate, q(|l| &l.w_gate), d.hidden),
+            self.mat(&lw.w_up, q(|l| &l.w_up), d.hidden),
+            self.mat(&lw.w_down, q(|l| &l.w_down), d.ffn),
+        ]
+    }
+
+    /// The output projection as decode multiplies it.
+    fn output_mat(&self) -> Mat<'_> {
+        let q = &self.w.quant;
+        match &self.w.output {
+            Some(o) => self.mat(o, q.output.as_ref(), self.d.hidden),
+            None => self.mat(&self.w.token_embd, q.token_embd.as_ref(), self.d.hidden),
+        }
+    }
+
+    /// One decode step of every request of `steps` together: each request's logits and its
+    /// token's rounded K/V, `[layer][K, V][kv_heads * head_dim]` (empty unless `fresh`).
+    /// Attention of a request reads positions `0..read` from its pages and, when `fresh`,
+    /// the token's own K/V computed here.
+    ///
+    /// The runner's threads run it together as a [`math::team`]: each computes its share of
+    /// the rows of every product, for every request, and its share of each request's query
+    /// heads. Every output is computed as for the request alone (one row, one vector, the
+    /// same kernel), so a request's tokens do not depend on the batch it ran in.
+    fn forward_batch(&self, steps: &[StepIn<'_>]) -> Vec<Stepped> {
+        let (d, n) = (self.d, steps.len());
+        if n == 0 {
+            return Vec::new();
+        }
+        // One shared vector per phase of a layer, so that no member stores into a vector
+        // another may still be loading from (members are at most one barrier apart). Each
+        // holds the phase's vector of every request, request after request.
+        let s_qkv = math::SharedVec::new(n * (d.q() + 2 * d.kv()));
+        let s_att = math::SharedVec::new(n * d.q());
+        let s_wo = math::SharedVec::new(n * d.hidden);
+        let s_act = math::SharedVec::new(n * d.ffn);
+        let s_down = math::SharedVec::new(n * d.hidden);
+        let parts = math::team(self.threads, |m| {
+            self.forward_member(m, steps, [&s_qkv, &s_att, &s_wo, &s_act, &s_down])
+        });
+        // Member `i` computed a run of the vocabulary for every request, request-major.
+        let mut out: Vec<Stepped> = (0..n)
+            .map(|_| (Vec::with_capacity(d.vocab), Vec::new()))
+            .collect();
+        for (i, (part, kv)) in parts.into_iter().enumerate() {
+            let run = part.len() / n;
+            for (b, (logits, new_kv)) in out.iter_mut().enumerate() {
+                logits.extend_from_slice(&part[b * run..(b + 1) * run]);
+                if i == 0 {
+                    *new_kv = kv[b].clone();
+                }
+            }
+        }
+        out
+    }
+
+    /// Member `m`'s part of [`Self::forward_batch`]: its share of the logits of every
+    /// request (request-major), and (member 0) each request's K/V.
     fn forward_member(
         &self,
         m: &math::Member<'_>,
-        pages: &[&[u8]],
-        token: u32,
-        pos: u64,
-        read: usize,
-        fresh: bool,
+        steps: &[StepIn<'_>],
         [s_qkv, s_att, s_wo, s_act, s_down]: [&math::SharedVec; 5],
-    ) -> (Vec<f32>, Vec<f32>) {
-        let d = self.d;
-        let c = &self.w.config;
-        let t = token as usize;
-        let mut x = self.w.token_embd[t * d.hidden..(t + 1) * d.hidden].to_vec();
-        let mut h = vec![0f32; d.hidden];
-        let qkv_rows = d.q() + if fresh { 2 * d.kv() } else { 0 };
-        let mut qkv = vec![0f32; qkv_rows];
-        let mut att = vec![0f32; d.q()];
-        let mut proj = vec![0f32; d.hidden];
-        let mut act = vec![0f32; d.ffn];
-        let mut part = vec![0f32; qkv_rows.max(d.ffn).max(d.hidden)];
-        let mut up = vec![0f32; d.ffn];
-        let mut new_kv = vec![
-            0f32;
-            if fresh && m.is_first() {
-                c.layers * 2 * d.kv()
-            } else {
-                0
+    ) -> (Vec<f32>, Vec<Vec<f32>>) {
+        let (d, c, n) = (self.d, &self.w.config, steps.len());
+        let qkv_rows = d.q() + 2 * d.kv();
+        let mut x = vec![0f32; n * d.hidden];
+        for (x, s) in x.chunks_exact_mut(d.hidden).zip(steps) {
+            let t = s.token as usize;
+            x.copy_from_slice(&self.w.token_embd[t * d.hidden..(t + 1) * d.hidden]);
+        }
+        let mut h = vec![0f32; n * d.hidden];
+        let mut qkv = vec![0f32; n * qkv_rows];
+        let mut att = vec![0f32; n * d.q()];
+        let mut proj = vec![0f32; n * d.hidden];
+        let mut act = vec![0f32; n * d.ffn];
+        let mut part = vec![0f32; n * qkv_rows.max(d.ffn).max(d.hidden)];
+        let mut up = vec![0f32; n * d.ffn];
+        let mut new_kv: Vec<Vec<f32>> = steps
+            .iter()
+            .map(|s| {
+                let keep = s.plan.fresh && m.is_first();
+                vec![0f32; if keep { c.layers * 2 * d.kv() } else { 0 }]
+            })
+            .collect();
+        let half = d.hd / 2;
+        let (mut cos, mut sin) = (vec![0f32; n * half], vec![0f32; n * half]);
+        for (s, (cos, sin)) in steps
+            .iter()
+            .zip(cos.chunks_exact_mut(half).zip(sin.chunks_exact_mut(half)))
+        {
+            math::rope_angles(&self.freqs, s.plan.pos, cos, sin);
+        }
+        // This member's rows of `[M_0; M_1; ...] x_b` for every request's `x_b` (each
+        // `cols` long), published in `shared` and, after the barrier, the whole product of
+        // every request loaded into `out` (request after request).
+        let mut product = |ms: &[Mat<'_>], x: &[f32], shared: &math::SharedVec, out: &mut [f32]| {
+            let total = out.len() / n;
+            let r = m.share(total);
+            let k = r.len();
+            let p = &mut part[..n * k];
+            quant::matvec_multi_stacked(ms, &vectors(x, x.len() / n), r.clone(), p);
+            for b in 0..n {
+                shared.store(b * total + r.start, &p[b * k..(b + 1) * k]);
             }
-        ];
-        let (mut cos, mut sin) = (vec![0f32; d.hd / 2], vec![0f32; d.hd / 2]);
-        math::rope_angles(&self.freqs, pos, &mut cos, &mut sin);
-        // This member's rows of `W x`, published in `shared` and, after the barrier, the whole
-        // product loaded into `out`.
-        let mut product = |ws: &[&[f32]], x: &[f32], shared: &math::SharedVec, out: &mut [f32]| {
-            let r = m.share(out.len());
-            let p = &mut part[..r.len()];
-            math::matvec_stacked(ws, x, r.clone(), p);
-            shared.store(r.start, p);
             m.sync();
             shared.load(0, out);
         };
-        for (l, lw) in self.w.layers.iter().enumerate() {
-            math::rms_norm(&x, &lw.attn_norm, c.rms_eps, &mut h);
-            let mats: &[&[f32]] = if fresh {
-                &[&lw.wq, &lw.wk, &lw.wv]
-            } else {
-                &[&lw.wq]
-            };
-            product(mats, &h, s_qkv, &mut qkv);
-            let (q, kv) = qkv.split_at_mut(d.q());
-            let cur = if fresh {
-                let (k, v) = kv.split_at_mut(d.kv());
-                for head in k.chunks_exact_mut(d.hd) {
-                    math::rope_head(head, &cos, &sin);
-                }
-                math::round_to(self.g.dtype, k);
-                math::round_to(self.g.dtype, v);
-                if let Some(dst) = new_kv.get_mut(l * 2 * d.kv()..(l + 1) * 2 * d.kv()) {
-                    dst.copy_from_slice(kv);
-                }
-                let (k, v) = kv.split_at(d.kv());
-                Some((k, v))
-            } else {
-                None
-            };
-            for head in q.chunks_exact_mut(d.hd) {
-                math::rope_head(head, &cos, &sin);
+        for l in 0..c.layers {
+            let lw = &self.w.layers[l];
+            let [wq, wk, wv, wo, w_gate, w_up, w_down] = self.layer_mats(l);
+            for (x, h) in x.chunks_exact(d.hidden).zip(h.chunks_exact_mut(d.hidden)) {
+                math::rms_norm(x, &lw.attn_norm, c.rms_eps, h);
             }
-            // This member's query heads.
-            let heads = m.share(d.heads);
-            let span = heads.start * d.hd..heads.end * d.hd;
-            self.attend(
-                l,
-                heads,
-                pages,
-                read,
-                &q[span.clone()],
-                cur,
-                &mut att[span.clone()],
-            );
-            s_att.store(span.start, &att[span]);
+            product(&[wq, wk, wv], &h, s_qkv, &mut qkv);
+            for (b, s) in steps.iter().enumerate() {
+                let qkv = &mut qkv[b * qkv_rows..(b + 1) * qkv_rows];
+                let (cos, sin) = (
+                    &cos[b * half..(b + 1) * half],
+                    &sin[b * half..(b + 1) * half],
+                );
+                let (q, kv) = qkv.split_at_mut(d.q());
+                let cur = if s.plan.fresh {
+                    let (k, v) = kv.split_at_mut(d.kv());
+                    for head in k.chunks_exact_mut(d.hd) {
+                        math::rope_head(head, cos, sin);
+                    }
+                    math::round_to(self.g.dtype, k);
+                    math::round_to(self.g.dtype, v);
+                    if let Some(dst) = new_kv[b].get_mut(l * 2 * d.kv()..(l + 1) * 2 * d.kv()) {
+                        dst.copy_from_slice(kv);
+                    }
+                    let (k, v) = kv.split_at(d.kv());
+                    Some((k, v))
+                } else {
+                    None
+                };
+                for head in q.chunks_exact_mut(d.hd) {
+                    math::rope_head(head, cos, sin);
+                }
+                // This member's query heads of request `b`.
+                let heads = m.share(d.heads);
+                let span = heads.start * d.hd..heads.end * d.hd;
+                let att = &mut att[b * d.q()..(b + 1) * d.q()];
+                let q = &q[span.clone()];
+                self.attend(
+                    l,
+                    heads,
+                    &s.pages,
+                    s.plan.read,
+                    q,
+                    cur,
+                    &mut att[span.clone()],
+                );
+                s_att.store(b * d.q() + span.start, &att[span]);
+            }
             m.sync();
             s_att.load(0, &mut att);
-            product(&[&lw.wo], &att, s_wo, &mut proj);
+            product(&[wo], &att, s_wo, &mut proj);
             x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
-            math::rms_norm(&x, &lw.ffn_norm, c.rms_eps, &mut h);
+            for (x, h) in x.chunks_exact(d.hidden).zip(h.chunks_exact_mut(d.hidden)) {
+                math::rms_norm(x, &lw.ffn_norm, c.rms_eps, h);
+            }
             // Gate and up by rows, so each member has both halves of its rows of the product.
             let r = m.share(d.ffn);
-            math::matvec_rows(&lw.w_gate, &h, r.clone(), &mut act[r.clone()]);
-            math::matvec_rows(&lw.w_up, &h, r.clone(), &mut up[r.clone()]);
-            math::silu_mul(&mut act[r.clone()], &up[r.clone()]);
-            s_act.store(r.start, &act[r]);
+            let k = r.len();
+            let xs = vectors(&h, d.hidden);
+            quant::matvec_multi(w_gate, &xs, r.clone(), &mut act[..n * k]);
+            quant::matvec_multi(w_up, &xs, r.clone(), &mut up[..n * k]);
+            for b in 0..n {
+                math::silu_mul(&mut act[b * k..(b + 1) * k], &up[b * k..(b + 1) * k]);
+                s_act.store(b * d.ffn + r.start, &act[b * k..(b + 1) * k]);
+            }
             m.sync();
             s_act.load(0, &mut act);
-            product(&[&lw.w_down], &act, s_down, &mut proj);
+            product(&[w_down], &act, s_down, &mut proj);
             x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
         }
-        math::rms_norm(&x, &self.w.output_norm, c.rms_eps, &mut h);
-        let e = self.w.output.as_deref().unwrap_or(&self.w.token_embd);
+        for (x, h) in x.chunks_exact(d.hidden).zip(h.chunks_exact_mut(d.hidden)) {
+            math::rms_norm(x, &self.w.output_norm, c.rms_eps, h);
+        }
         let r = m.share(d.vocab);
-        let mut logits = vec![0f32; r.len()];
-        math::matvec_rows(e, &h, r, &mut logits);
+        let mut logits = vec![0f32; n * r.len()];
+        quant::matvec_multi(self.output_mat(), &vectors(&h, d.hidden), r, &mut logits);
         (logits, new_kv)
     }
 
@@ -850,9 +1024,15 @@ impl ModelRunner for LlamaRunner {
         sampling: &Sampling,
     ) -> Result<u32, ModelError> {
         let logits = self.step_logits(kv, input, step, prompt_len)?;
-        let pick = crate::sample::pick(&logits, sampling, step)
-            .ok_or_else(|| ModelError::Failed("every logit is NaN".to_owned()))?;
-        Ok(u32::try_from(pick).unwrap_or(u32::MAX))
+        pick(&logits, sampling, step)
+    }
+
+    fn sample_batch(&self, batch: &mut [BatchStep<'_>]) -> Vec<Result<u32, ModelError>> {
+        self.logits_batch(batch)
+            .into_iter()
+            .zip(batch.iter())
+            .map(|(logits, b)| pick(&logits?, b.sampling, b.step))
+            .collect()
     }
 
     fn model_id(&self) -> String {
@@ -862,6 +1042,19 @@ impl ModelRunner for LlamaRunner {
     fn is_stop(&self, token: u32) -> bool {
         self.stop.contains(&token)
     }
+}
+
+/// `v` as vectors of `len`.
+fn vectors(v: &[f32], len: usize) -> Vec<&[f32]> {
+    v.chunks_exact(len.max(1)).collect()
+}
+
+/// The token `sampling` picks from `logits` at `step`.
+fn pick(logits: &[f32], sampling: &Sampling, step: u32) -> Result<u32, ModelError> {
+    let pick = crate::sample::pick(logits, sampling, step)
+        .ok_or_else(|| ModelError::Failed("every logit is NaN".to_owned()))?;
+    // The pick indexes the logits, which has `vocab` (a u32) entries.
+    Ok(u32::try_from(pick).unwrap_or(u32::MAX))
 }
 
 /// Checks the hyper-parameters the forward pass relies on.
@@ -1008,6 +1201,7 @@ mod tests {
             }],
             output_norm: vec![1.0; h],
             output: None,
+            quant: Default::default(),
         }
     }
 

@@ -1,4 +1,6 @@
-//! The model's hyper-parameters and weights, dequantized to f32.
+//! The model's hyper-parameters and weights, dequantized to f32, and the blocks of the
+//! matrices the file stores as Q4_1 or Q8_0, which decode multiplies as they are
+//! ([`QuantWeights`], see [`crate::quant`]).
 //!
 //! Matrices are row-major `[out][in]`: `y = W x` takes row `r` of `W` for output `r`, which is
 //! how GGUF stores them (`ne0` is the input dimension, contiguous). The Q and K projections
@@ -7,6 +9,7 @@
 //! the rotate-half layout the usual engines use.
 
 use crate::gguf::{Gguf, GgufError};
+use crate::quant::{QuantKind, QuantMatrix};
 
 /// Hyper-parameters of a Llama-architecture model.
 #[derive(Clone, Debug, PartialEq)]
@@ -57,6 +60,31 @@ pub struct LlamaWeights {
     pub output_norm: Vec<f32>,
     /// `[vocab][hidden]`, or `None` when the output projection is tied to `token_embd`.
     pub output: Option<Vec<f32>>,
+    /// The same matrices as the file's quantized blocks, where it stores them so.
+    pub quant: QuantWeights,
+}
+
+/// The decode matrices the file stores as Q4_1 or Q8_0, kept as its blocks (rows of Q and K
+/// un-permuted like the f32 copies): decode multiplies these, prefill's sgemm the f32
+/// copies, and both give the same products (see [`crate::quant`]). Each is `None` where
+/// the file's type is another; `layers` is empty when none is kept.
+#[derive(Clone, Debug, Default)]
+pub struct QuantWeights {
+    pub token_embd: Option<QuantMatrix>,
+    pub output: Option<QuantMatrix>,
+    pub layers: Vec<LayerQuant>,
+}
+
+/// One block's quantized matrices; see [`LayerWeights`] for their shapes.
+#[derive(Clone, Debug, Default)]
+pub struct LayerQuant {
+    pub wq: Option<QuantMatrix>,
+    pub wk: Option<QuantMatrix>,
+    pub wv: Option<QuantMatrix>,
+    pub wo: Option<QuantMatrix>,
+    pub w_gate: Option<QuantMatrix>,
+    pub w_up: Option<QuantMatrix>,
+    pub w_down: Option<QuantMatrix>,
 }
 
 /// Why a model's configuration or weights were not loaded from a GGUF file.
@@ -190,6 +218,14 @@ impl LlamaWeights {
             Some(_) => Some(load(gguf, "output.weight", &[hidden, vocab])?),
             None => None,
         };
+        let mut quant = QuantWeights {
+            token_embd: load_quant(gguf, "token_embd.weight", c.vocab, c.hidden, None)?,
+            output: match output {
+                Some(_) => load_quant(gguf, "output.weight", c.vocab, c.hidden, None)?,
+                None => None,
+            },
+            layers: Vec::with_capacity(c.layers),
+        };
 
         // The layers are independent: dequantize them on all cores.
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -210,6 +246,9 @@ impl LlamaWeights {
             .into_iter()
             .map(|slot| slot.unwrap_or_else(|| unreachable!("every layer slot is filled")))
             .collect::<Result<Vec<_>, _>>()?;
+        for i in 0..c.layers {
+            quant.layers.push(load_layer_quant(gguf, c, i)?);
+        }
 
         Ok(Self {
             config,
@@ -217,6 +256,7 @@ impl LlamaWeights {
             layers,
             output_norm,
             output,
+            quant,
         })
     }
 }
@@ -244,6 +284,58 @@ fn load_layer(
     })
 }
 
+/// Block `i`'s quantized matrices (their dims were checked by [`load_layer`]).
+fn load_layer_quant(gguf: &Gguf, c: &LlamaConfig, i: usize) -> Result<LayerQuant, WeightsError> {
+    let (hidden, ffn, hd) = (c.hidden, c.ffn, c.head_dim);
+    let (q_dim, kv_dim) = (c.heads * hd, c.kv_heads * hd);
+    let t = |name: &str, rows: usize, cols: usize, heads: Option<usize>| {
+        load_quant(
+            gguf,
+            &format!("blk.{i}.{name}.weight"),
+            rows,
+            cols,
+            heads.map(|h| (h, hd)),
+        )
+    };
+    Ok(LayerQuant {
+        wq: t("attn_q", q_dim, hidden, Some(c.heads))?,
+        wk: t("attn_k", kv_dim, hidden, Some(c.kv_heads))?,
+        wv: t("attn_v", kv_dim, hidden, None)?,
+        wo: t("attn_output", hidden, q_dim, None)?,
+        w_gate: t("ffn_gate", ffn, hidden, None)?,
+        w_up: t("ffn_up", ffn, hidden, None)?,
+        w_down: t("ffn_down", hidden, ffn, None)?,
+    })
+}
+
+/// Tensor `name`'s blocks as a `[rows][cols]` matrix when its type is one decode multiplies
+/// quantized, else `None`; `unpermute` (`(heads, head_dim)`) puts the rows of Q or K back as
+/// [`unpermute_rows`] does.
+fn load_quant(
+    gguf: &Gguf,
+    name: &str,
+    rows: usize,
+    cols: usize,
+    unpermute: Option<(usize, usize)>,
+) -> Result<Option<QuantMatrix>, WeightsError> {
+    let tensor = gguf
+        .tensor(name)
+        .ok_or_else(|| GgufError::MissingTensor(name.to_owned()))?;
+    let Some(kind) = QuantKind::of(tensor.ggml_type()) else {
+        return Ok(None);
+    };
+    let bytes = gguf.tensor_bytes(tensor)?.to_vec();
+    let m = QuantMatrix::new(kind, rows, cols, bytes).ok_or_else(|| WeightsError::Shape {
+        tensor: name.to_owned(),
+        expected: vec![cols as u64, rows as u64],
+        found: tensor.dims().to_vec(),
+    })?;
+    Ok(Some(match unpermute {
+        Some((_, head_dim)) => m.permute_rows(|r| stored_row(r, head_dim)),
+        None => m,
+    }))
+}
+
 /// Dequantizes tensor `name` after checking its dims (`ne0` first) are `expected`.
 fn load(gguf: &Gguf, name: &str, expected: &[u64]) -> Result<Vec<f32>, WeightsError> {
     let tensor = gguf
@@ -268,19 +360,20 @@ fn load(gguf: &Gguf, name: &str, expected: &[u64]) -> Result<Vec<f32>, WeightsEr
 /// layout. `w` is `[n_head * head_dim][cols]`, row-major.
 fn unpermute_rows(w: &[f32], n_head: usize, head_dim: usize, cols: usize) -> Vec<f32> {
     debug_assert_eq!(w.len(), n_head * head_dim * cols);
-    let half_dim = head_dim / 2;
     let mut out = vec![0.0; w.len()];
-    for h in 0..n_head {
-        for half in 0..2 {
-            for i in 0..half_dim {
-                let hf = h * head_dim + half * half_dim + i;
-                let stored = h * head_dim + 2 * i + half;
-                out[hf * cols..(hf + 1) * cols]
-                    .copy_from_slice(&w[stored * cols..(stored + 1) * cols]);
-            }
-        }
+    for (hf, row) in out.chunks_exact_mut(cols).enumerate() {
+        let stored = stored_row(hf, head_dim);
+        row.copy_from_slice(&w[stored * cols..(stored + 1) * cols]);
     }
     out
+}
+
+/// The stored row of Hugging Face row `hf` (see [`unpermute_rows`]).
+fn stored_row(hf: usize, head_dim: usize) -> usize {
+    let half_dim = head_dim / 2;
+    let (h, within) = (hf / head_dim, hf % head_dim);
+    let (half, i) = (within / half_dim, within % half_dim);
+    h * head_dim + 2 * i + half
 }
 
 #[cfg(test)]

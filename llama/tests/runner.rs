@@ -83,6 +83,7 @@ fn random_weights(c: &LlamaConfig, seed: u64, tied: bool) -> LlamaWeights {
         layers,
         output_norm: r.norm(c.hidden),
         output: (!tied).then(|| r.vec(c.vocab * c.hidden, s_in * 3.0)),
+        quant: Default::default(),
     }
 }
 
@@ -612,4 +613,270 @@ fn runner_real_model_answers_paris() {
     // The same through the ModelRunner seam, stop token excluded.
     let out = monolithic_paged(&r, &prompt, 12, &Sampling::GREEDY).unwrap();
     assert_eq!(out.tokens, tokens[..end]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quantized and batched decode: the same tokens as the f32 weights, one request at a time.
+
+/// `w` rounded to ggml blocks: Q8_0 for the embedding, Q4_1 for the layers' matrices, the
+/// blocks kept in `w.quant` and the f32 copies replaced by their exact dequantization, as a
+/// quantized model file loads. Every `cols` must be a multiple of 32.
+#[allow(clippy::cast_sign_loss)] // clamped to 0..=15 before the cast
+fn quantize(mut w: LlamaWeights) -> LlamaWeights {
+    use llama::gguf::{GgmlType, dequantize_into};
+    use llama::quant::{QuantKind, QuantMatrix};
+    fn f16(v: f32) -> [u8; 2] {
+        half::f16::from_f32(v).to_le_bytes()
+    }
+    fn blocks(kind: QuantKind, w: &[f32]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for b in w.chunks_exact(32) {
+            match kind {
+                QuantKind::Q8_0 => {
+                    let amax = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let d = half::f16::from_f32(amax / 127.0).to_f32();
+                    out.extend_from_slice(&f16(d));
+                    let inv = if d == 0.0 { 0.0 } else { 1.0 / d };
+                    out.extend(b.iter().map(|v| ((v * inv).round() as i8).cast_unsigned()));
+                }
+                QuantKind::Q4_1 => {
+                    let lo = b.iter().fold(f32::MAX, |m, &v| m.min(v));
+                    let hi = b.iter().fold(f32::MIN, |m, &v| m.max(v));
+                    let d = half::f16::from_f32((hi - lo) / 15.0).to_f32();
+                    let m = half::f16::from_f32(lo).to_f32();
+                    out.extend_from_slice(&f16(d));
+                    out.extend_from_slice(&f16(m));
+                    let inv = if d == 0.0 { 0.0 } else { 1.0 / d };
+                    let q = |v: f32| ((v - m) * inv).round().clamp(0.0, 15.0) as u8;
+                    out.extend((0..16).map(|j| q(b[j]) | (q(b[j + 16]) << 4)));
+                }
+            }
+        }
+        out
+    }
+    // Quantizes `f` ([rows][cols]) in place to its dequantized blocks; returns the blocks.
+    let quant = |kind: QuantKind, f: &mut Vec<f32>, cols: usize| {
+        let bytes = blocks(kind, f);
+        let ggml = match kind {
+            QuantKind::Q8_0 => GgmlType::Q8_0,
+            QuantKind::Q4_1 => GgmlType::Q4_1,
+        };
+        dequantize_into(ggml, &bytes, f).unwrap();
+        Some(QuantMatrix::new(kind, f.len() / cols, cols, bytes).unwrap())
+    };
+    let c = w.config.clone();
+    let (h, q, ffn) = (c.hidden, c.heads * c.head_dim, c.ffn);
+    w.quant.token_embd = quant(QuantKind::Q8_0, &mut w.token_embd, h);
+    if let Some(o) = w.output.as_mut() {
+        w.quant.output = quant(QuantKind::Q8_0, o, h);
+    }
+    for l in &mut w.layers {
+        let kind = QuantKind::Q4_1;
+        w.quant.layers.push(llama::weights::LayerQuant {
+            wq: quant(kind, &mut l.wq, h),
+            wk: quant(kind, &mut l.wk, h),
+            wv: quant(kind, &mut l.wv, h),
+            wo: quant(kind, &mut l.wo, q),
+            w_gate: quant(kind, &mut l.w_gate, h),
+            w_up: quant(kind, &mut l.w_up, h),
+            w_down: quant(kind, &mut l.w_down, ffn),
+        });
+    }
+    w
+}
+
+/// One request of [`decode_together`]: joins the batch at iteration `join`.
+struct Req {
+    prompt: Vec<u32>,
+    max_new: u32,
+    sampling: Sampling,
+    join: usize,
+}
+
+/// Prefills every request, then decodes them together with `sample_batch`, request `i`
+/// joining at its iteration and leaving when done (at a stop token or `max_new`): each
+/// request's tokens and final signature.
+fn decode_together(r: &LlamaRunner, reqs: &[Req]) -> Vec<libkv::model::Output> {
+    let mut kvs: Vec<MemoryKv> = reqs
+        .iter()
+        .map(|q| {
+            let len = q.prompt.len() as u64;
+            let mut kv = MemoryKv::new(*r.geometry(), len, u64::from(q.max_new));
+            r.prefill(&q.prompt, &mut kv).unwrap();
+            kv.set_prefilled(len);
+            kv
+        })
+        .collect();
+    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); reqs.len()];
+    let mut done = vec![false; reqs.len()];
+    let mut widest = 0;
+    for it in 0.. {
+        let active: Vec<usize> = (0..reqs.len())
+            .filter(|&i| reqs[i].join <= it && !done[i])
+            .collect();
+        if active.is_empty() && done.iter().all(|&d| d) {
+            break;
+        }
+        let mut steps: Vec<libkv::model::BatchStep<'_>> = Vec::new();
+        let mut order = Vec::new();
+        for (i, kv) in kvs.iter_mut().enumerate() {
+            if !active.contains(&i) {
+                continue;
+            }
+            let q = &reqs[i];
+            let step = tokens[i].len() as u32;
+            let input = tokens[i]
+                .last()
+                .copied()
+                .unwrap_or(*q.prompt.last().unwrap());
+            steps.push(libkv::model::BatchStep {
+                kv,
+                input,
+                step,
+                prompt_len: q.prompt.len() as u32,
+                sampling: &q.sampling,
+            });
+            order.push(i);
+        }
+        widest = widest.max(steps.len());
+        for (i, t) in order.into_iter().zip(r.sample_batch(&mut steps)) {
+            let t = t.unwrap();
+            if r.is_stop(t) {
+                done[i] = true;
+                continue;
+            }
+            tokens[i].push(t);
+            done[i] = tokens[i].len() as u32 == reqs[i].max_new;
+        }
+    }
+    assert!(widest > 1, "the requests never ran together");
+    tokens
+        .into_iter()
+        .zip(&kvs)
+        .map(|(tokens, kv)| libkv::model::Output {
+            tokens,
+            signature: r.signature(kv),
+        })
+        .collect()
+}
+
+/// Requests of several lengths joining a running batch at different steps, one sampled.
+fn staggered(vocab: usize, lens: &[usize], max_new: u32) -> Vec<Req> {
+    let mut rng = Rng(41);
+    lens.iter()
+        .enumerate()
+        .map(|(i, &len)| Req {
+            prompt: rng.tokens(len, vocab),
+            max_new: max_new + i as u32,
+            sampling: if i == 1 {
+                Sampling {
+                    temperature_milli: 800,
+                    top_p_milli: 900,
+                    seed: 5,
+                }
+            } else {
+                Sampling::GREEDY
+            },
+            join: [0, 0, 2, 5, 3][i % 5],
+        })
+        .collect()
+}
+
+#[test]
+fn quantized_and_batched_decode_give_each_request_its_own_tokens() {
+    let c = LlamaConfig {
+        hidden: 64,
+        ffn: 96,
+        vocab: 300,
+        ..wide_config()
+    };
+    let w = quantize(random_weights(&c, 23, true));
+    let reqs = staggered(c.vocab, &[1, 17, 40, 100, 64], 6);
+    for tpp in [1, 16] {
+        let g = geometry(&c, tpp, Dtype::Bf16);
+        let quantized = LlamaRunner::new(w.clone(), g, 2, Vec::new()).unwrap();
+        let f32_decode = LlamaRunner::new(w.clone(), g, 1, Vec::new())
+            .unwrap()
+            .with_quantized_decode(false);
+        let alone: Vec<_> = reqs
+            .iter()
+            .map(|q| monolithic_paged(&f32_decode, &q.prompt, q.max_new, &q.sampling).unwrap())
+            .collect();
+        for (i, q) in reqs.iter().enumerate() {
+            // The quantized blocks give the f32 weights' logits, bit for bit.
+            let (a, ta) = run_paged(&quantized, &q.prompt, 3);
+            let (b, tb) = run_paged(&f32_decode, &q.prompt, 3);
+            assert_eq!(ta, tb, "tpp {tpp} request {i}: tokens");
+            let bits = |v: &[Vec<f32>]| v.concat().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert!(bits(&a) == bits(&b), "tpp {tpp} request {i}: logits differ");
+        }
+        let together = decode_together(&quantized, &reqs);
+        for (i, (t, a)) in together.iter().zip(&alone).enumerate() {
+            assert_eq!(t.tokens, a.tokens, "tpp {tpp} request {i}: batched tokens");
+            assert_eq!(t.signature, a.signature, "tpp {tpp} request {i}: signature");
+        }
+    }
+}
+
+#[test]
+fn a_request_that_cannot_step_fails_alone_in_its_batch() {
+    let c = tiny_config();
+    let g = geometry(&c, 4, Dtype::F16);
+    let r = LlamaRunner::new(random_weights(&c, 2, true), g, 2, Vec::new()).unwrap();
+    let prompt = Rng(8).tokens(9, c.vocab);
+    let alone = monolithic_paged(&r, &prompt, 2, &Sampling::GREEDY).unwrap();
+    let mut kvs: Vec<MemoryKv> = (0..3)
+        .map(|_| {
+            let mut kv = MemoryKv::new(g, 9, 2);
+            r.prefill(&prompt, &mut kv).unwrap();
+            kv.set_prefilled(9);
+            kv
+        })
+        .collect();
+    let inputs = [
+        *prompt.last().unwrap(),
+        c.vocab as u32 + 7,
+        *prompt.last().unwrap(),
+    ];
+    let mut steps: Vec<libkv::model::BatchStep<'_>> = kvs
+        .iter_mut()
+        .zip(inputs)
+        .map(|(kv, input)| libkv::model::BatchStep {
+            kv,
+            input,
+            step: 0,
+            prompt_len: 9,
+            sampling: &Sampling::GREEDY,
+        })
+        .collect();
+    let out = r.sample_batch(&mut steps);
+    assert!(
+        matches!(out[1], Err(ModelError::OutOfVocab { .. })),
+        "{out:?}"
+    );
+    assert_eq!(out[0].as_ref().ok(), Some(&alone.tokens[0]));
+    assert_eq!(out[2].as_ref().ok(), Some(&alone.tokens[0]));
+}
+
+#[test]
+fn real_model_batched_and_quantized_decode_equal_each_request_alone() {
+    let Some((_, w)) = real_model() else { return };
+    let c = w.config.clone();
+    assert!(
+        w.quant.layers.iter().all(|l| l.w_down.is_some()),
+        "Q4_1 blocks kept"
+    );
+    assert!(w.quant.token_embd.is_some(), "Q8_0 embedding kept");
+    let reqs = staggered(c.vocab, &[5, 40, 130], 10);
+    let g = geometry(&c, 16, Dtype::Bf16);
+    let quantized = LlamaRunner::new(w.clone(), g, 2, Vec::new()).unwrap();
+    let f32_decode = LlamaRunner::new(w, g, 2, Vec::new())
+        .unwrap()
+        .with_quantized_decode(false);
+    let together = decode_together(&quantized, &reqs);
+    for (i, (q, t)) in reqs.iter().zip(&together).enumerate() {
+        let alone = monolithic_paged(&f32_decode, &q.prompt, q.max_new, &q.sampling).unwrap();
+        assert_eq!(t.tokens, alone.tokens, "request {i}");
+        assert_eq!(t.signature, alone.signature, "request {i}: signature");
+    }
 }

@@ -2,9 +2,10 @@
 //! asserts nothing.
 //!
 //! - `kvllmbench runner --threads N`: the llama runner alone on pages in memory: prefill of
-//!   a prompt (tokens/s) and greedy decode steps after it (tokens/s), as one JSON line per
-//!   round. `scripts/bench-llamacpp.sh` runs it alternately with llama.cpp on the same model,
-//!   prompt length and threads.
+//!   a prompt (tokens/s), greedy decode steps after it (tokens/s) with the quantized blocks
+//!   and with the f32 weights, and a batch of requests decoded together against one alone,
+//!   as one JSON line per round. `scripts/bench-llamacpp.sh` runs it alternately with
+//!   llama.cpp on the same model, prompt length and threads.
 //! - `kvllmbench ttft --prompts 512,2048,8192`: time to first token through the whole stack
 //!   (one prefill and one decode worker on shared memory), split into what kvctld measures
 //!   for prefill and for the transfer stage, and what decoded measures of that transfer for
@@ -23,7 +24,7 @@
 use clap::{Parser, Subcommand};
 use kvctld::stack::{Stack, StackOptions, error_chain};
 use libkv::config::{Config, ModelConfig, ModelKind};
-use libkv::model::{MemoryKv, ModelRunner};
+use libkv::model::{BatchStep, MemoryKv, ModelRunner};
 use libkv::proto::{Role, Sampling};
 use libkv::{Dtype, PageGeometry};
 use std::process::ExitCode;
@@ -51,6 +52,12 @@ enum What {
         decode: u32,
         #[arg(long, default_value_t = 1)]
         rounds: u32,
+        /// Requests decoded together for `batch_tok_s`.
+        #[arg(long, default_value_t = 16)]
+        batch: usize,
+        /// Prompt tokens of each request of the batch.
+        #[arg(long, default_value_t = 128)]
+        batch_prompt: usize,
     },
     /// The page order: layer-major against token-major, side by side.
     Layout {
@@ -88,38 +95,97 @@ fn prompt_tokens(tok: &llama::tokenizer::Tokenizer, n: usize) -> Vec<u32> {
     ids
 }
 
-fn runner(threads: usize, prompt_len: usize, decode: u32, rounds: u32) -> Result<(), String> {
+/// Greedy decode of `steps` steps of each prompt, all together (`sample_batch`, one forward
+/// step over every request per iteration), after prefilling each: the seconds the decode
+/// took and the tokens it produced.
+fn decode_batch(
+    runner: &dyn ModelRunner,
+    prompts: &[Vec<u32>],
+    steps: u32,
+) -> Result<(f64, u64), String> {
+    let g = *runner.geometry();
+    let mut kvs = Vec::with_capacity(prompts.len());
+    for p in prompts {
+        let n = p.len() as u64;
+        let mut kv = MemoryKv::new(g, n, u64::from(steps));
+        runner.prefill(p, &mut kv).map_err(|e| e.to_string())?;
+        kv.set_prefilled(n);
+        kvs.push(kv);
+    }
+    let mut inputs: Vec<u32> = prompts.iter().filter_map(|p| p.last().copied()).collect();
+    let t = Instant::now();
+    for step in 0..steps {
+        let mut batch: Vec<BatchStep<'_>> = kvs
+            .iter_mut()
+            .zip(prompts.iter().zip(&inputs))
+            .map(|(kv, (p, &input))| BatchStep {
+                kv,
+                input,
+                step,
+                prompt_len: u32::try_from(p.len()).unwrap_or(u32::MAX),
+                sampling: &Sampling::GREEDY,
+            })
+            .collect();
+        let picked = runner.sample_batch(&mut batch);
+        for (input, t) in inputs.iter_mut().zip(picked) {
+            *input = t.map_err(|e| e.to_string())?;
+        }
+    }
+    Ok((
+        t.elapsed().as_secs_f64(),
+        u64::from(steps) * prompts.len() as u64,
+    ))
+}
+
+/// The runner's figures, one JSON line per round: prefill of `prompt_len` tokens, `decode`
+/// greedy steps after it with the quantized blocks (`decode_tok_s`) and with the f32
+/// weights as before (`decode_f32_tok_s`), and `batch` requests of `batch_prompt` tokens
+/// decoded together (`batch_tok_s`, all tokens of the batch per second) against one of them
+/// alone (`one_tok_s`).
+fn runner(
+    threads: usize,
+    prompt_len: usize,
+    decode: u32,
+    rounds: u32,
+    batch: usize,
+    batch_prompt: usize,
+) -> Result<(), String> {
     let path = llama::gguf::default_model_path();
     let g = llama::load::model_geometry(&path, 16, Dtype::Bf16).map_err(|e| error_chain(&e))?;
-    let model = llama::load::load_gguf(&path, g, threads).map_err(|e| error_chain(&e))?;
-    let tok = model
-        .tokenizer
-        .as_ref()
-        .ok_or("the model has no tokenizer")?;
-    let prompt = prompt_tokens(tok, prompt_len);
+    let gguf = llama::gguf::Gguf::open(&path).map_err(|e| error_chain(&e))?;
+    let tok = llama::tokenizer::Tokenizer::from_gguf(&gguf).map_err(|e| error_chain(&e))?;
+    let w = llama::weights::LlamaWeights::from_gguf(&gguf).map_err(|e| error_chain(&e))?;
+    let quantized =
+        llama::runner::LlamaRunner::new(w, g, threads, Vec::new()).map_err(|e| error_chain(&e))?;
+    let f32_decode = quantized.clone().with_quantized_decode(false);
+    let prompt = prompt_tokens(&tok, prompt_len);
     let n = u32::try_from(prompt.len()).map_err(|e| e.to_string())?;
-    let runner: &dyn ModelRunner = model.runner.as_ref();
+    // Different prompts of one length: the same text from different offsets.
+    let long = prompt_tokens(&tok, batch_prompt + batch);
+    let prompts: Vec<Vec<u32>> = (0..batch)
+        .map(|i| long[i..i + batch_prompt].to_vec())
+        .collect();
     for round in 0..rounds {
         let mut kv = MemoryKv::new(g, u64::from(n), u64::from(decode));
         let t = Instant::now();
-        runner
+        quantized
             .prefill(&prompt, &mut kv)
             .map_err(|e| e.to_string())?;
         let prefill_s = t.elapsed().as_secs_f64();
-        kv.set_prefilled(u64::from(n));
-        let mut input = *prompt.last().ok_or("empty prompt")?;
-        let t = Instant::now();
-        for step in 0..decode {
-            input = runner
-                .sample(&mut kv, input, step, n, &Sampling::GREEDY)
-                .map_err(|e| e.to_string())?;
-        }
-        let decode_s = t.elapsed().as_secs_f64();
+        let (q_s, _) = decode_batch(&quantized, std::slice::from_ref(&prompt), decode)?;
+        let (f_s, _) = decode_batch(&f32_decode, std::slice::from_ref(&prompt), decode)?;
+        let (one_s, one_tokens) = decode_batch(&quantized, &prompts[..1], decode)?;
+        let (batch_s, batch_tokens) = decode_batch(&quantized, &prompts, decode)?;
         println!(
             "{{\"impl\":\"kvfence\",\"threads\":{threads},\"round\":{round},\"prompt\":{n},\
-             \"prefill_tok_s\":{:.1},\"decode\":{decode},\"decode_tok_s\":{:.2}}}",
+             \"prefill_tok_s\":{:.1},\"decode\":{decode},\"decode_tok_s\":{:.2},\
+             \"decode_f32_tok_s\":{:.2},\"batch\":{batch},\"batch_prompt\":{batch_prompt},\
+             \"one_tok_s\":{:.2},\"batch_tok_s\":{:.2}}}",
             f64::from(n) / prefill_s,
-            f64::from(decode) / decode_s
+            f64::from(decode) / q_s,
+            f64::from(decode) / f_s,
+            one_tokens as f64 / one_s,
+            batch_tokens as f64 / batch_s,
         );
     }
     Ok(())
@@ -358,7 +424,9 @@ fn main() -> ExitCode {
             prompt,
             decode,
             rounds,
-        } => runner(threads, prompt, decode, rounds),
+            batch,
+            batch_prompt,
+        } => runner(threads, prompt, decode, rounds, batch, batch_prompt),
         What::Ttft {
             prompts,
             threads,

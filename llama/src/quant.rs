@@ -1,0 +1,799 @@
+//! Decode's weight matrices as the model file stores them (Q4_1, Q8_0) and the product of
+//! one matrix with several vectors at once, for a batched decode step.
+//!
+//! Decode is bound by memory: every step reads every weight. Read as f32, SmolLM2-135M's
+//! weights are 540 MB a token; as the file's Q4_1 and Q8_0 blocks they are 98 MB. A
+//! [`QuantMatrix`] keeps the blocks, and `matvec_multi` dequantizes one row at a time
+//! into a buffer that stays in L1, then takes its dot product with each vector of the
+//! batch, so a step reads each weight once from memory whatever the batch size.
+//!
+//! # Exactness
+//!
+//! A row is dequantized with the arithmetic of [`crate::gguf::dequantize_into`] (an f32
+//! product, then an f32 sum for Q4_1, never fused), and its dot product is the decode
+//! kernel's own (`math::dot_row`): the result is bit for bit the product of the weights
+//! dequantized to f32 at load, as the runner computed before, for one vector or many. So a
+//! request decodes to the same tokens alone or in any batch, and quantized decode agrees
+//! with the f32 weights the prefill's sgemm multiplies.
+
+use std::ops::Range;
+
+use crate::gguf::GgmlType;
+use crate::math;
+
+/// The block types kept quantized; their blocks are 32 weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantKind {
+    /// f16 `d`, f16 `m`, 16 bytes of nibbles: `nibble * d + m`.
+    Q4_1,
+    /// f16 `d`, 32 × i8: `q * d`.
+    Q8_0,
+}
+
+/// Weights per block.
+const BLOCK: usize = 32;
+
+impl QuantKind {
+    /// The kind of a ggml type kept quantized, `None` for the others.
+    pub fn of(ggml_type: GgmlType) -> Option<QuantKind> {
+        match ggml_type {
+            GgmlType::Q4_1 => Some(QuantKind::Q4_1),
+            GgmlType::Q8_0 => Some(QuantKind::Q8_0),
+            _ => None,
+        }
+    }
+
+    /// Bytes per block of 32 weights.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            QuantKind::Q4_1 => 20,
+            QuantKind::Q8_0 => 34,
+        }
+    }
+}
+
+/// A row-major `[rows][cols]` matrix of quantized blocks, rows a whole number of blocks.
+#[derive(Clone, PartialEq, Eq)]
+pub struct QuantMatrix {
+    kind: QuantKind,
+    rows: usize,
+    cols: usize,
+    bytes: Vec<u8>,
+}
+
+impl std::fmt::Debug for QuantMatrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QuantMatrix")
+            .field("kind", &self.kind)
+            .field("rows", &self.rows)
+            .field("cols", &self.cols)
+            .finish_non_exhaustive()
+    }
+}
+
+impl QuantMatrix {
+    /// `rows` rows of `cols` weights from the file's blocks; `None` unless `cols` is a whole
+    /// number of blocks and `bytes` holds exactly the matrix.
+    pub fn new(kind: QuantKind, rows: usize, cols: usize, bytes: Vec<u8>) -> Option<QuantMatrix> {
+        let row_bytes =
+            (cols.is_multiple_of(BLOCK) && cols > 0).then(|| cols / BLOCK * kind.block_bytes())?;
+        (rows.checked_mul(row_bytes)? == bytes.len()).then_some(QuantMatrix {
+            kind,
+            rows,
+            cols,
+            bytes,
+        })
+    }
+
+    pub fn kind(&self) -> QuantKind {
+        self.kind
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes of the blocks.
+    pub fn bytes(&self) -> usize {
+        self.bytes.len()
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.cols / BLOCK * self.kind.block_bytes()
+    }
+
+    /// Row `r`'s blocks.
+    fn row(&self, r: usize) -> &[u8] {
+        let rb = self.row_bytes();
+        &self.bytes[r * rb..(r + 1) * rb]
+    }
+
+    /// The same matrix with its rows reordered: row `i` of the result is row `from[i]`.
+    pub fn permute_rows(&self, from: impl Fn(usize) -> usize) -> QuantMatrix {
+        let rb = self.row_bytes();
+        let mut bytes = Vec::with_capacity(self.bytes.len());
+        for i in 0..self.rows {
+            let r = from(i);
+            bytes.extend_from_slice(&self.bytes[r * rb..(r + 1) * rb]);
+        }
+        QuantMatrix { bytes, ..*self }
+    }
+
+    /// Row `r` dequantized into `out` (`cols` long), as [`crate::gguf::dequantize_into`].
+    #[inline(always)]
+    fn dequantize_row<const SIMD: bool>(&self, r: usize, out: &mut [f32]) {
+        let rb = self.row_bytes();
+        let row = &self.bytes[r * rb..(r + 1) * rb];
+        let blocks = out.chunks_exact_mut(BLOCK);
+        match self.kind {
+            QuantKind::Q4_1 => {
+                for (b, y) in row.chunks_exact(20).zip(blocks) {
+                    #[cfg(target_arch = "x86_64")]
+                    if SIMD {
+                        // SAFETY: SIMD is set only inside functions compiled for AVX2, FMA
+                        // and F16C, called once the CPU is known to have them; `b` is a
+                        // whole block and `y` 32 values.
+                        unsafe { simd::q4_1_block(b, y) };
+                        continue;
+                    }
+                    q4_1_block(b, y);
+                }
+            }
+            QuantKind::Q8_0 => {
+                for (b, y) in row.chunks_exact(34).zip(blocks) {
+                    #[cfg(target_arch = "x86_64")]
+                    if SIMD {
+                        // SAFETY: as above.
+                        unsafe { simd::q8_0_block(b, y) };
+                        continue;
+                    }
+                    q8_0_block(b, y);
+                }
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn f16(lo: u8, hi: u8) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([lo, hi])).to_f32()
+}
+
+/// One Q4_1 block: element `j < 16` is the low nibble of byte `j`, `j + 16` its high one.
+#[inline(always)]
+fn q4_1_block(b: &[u8], y: &mut [f32]) {
+    let (d, m) = (f16(b[0], b[1]), f16(b[2], b[3]));
+    let (lo, hi) = y.split_at_mut(16);
+    for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&b[4..20]) {
+        // a product then a sum, each rounded (no fused multiply-add), as the dequantizer
+        *l = f32::from(q & 0x0F) * d + m;
+        *h = f32::from(q >> 4) * d + m;
+    }
+}
+
+#[inline(always)]
+fn q8_0_block(b: &[u8], y: &mut [f32]) {
+    let d = f16(b[0], b[1]);
+    for (yj, &q) in y.iter_mut().zip(&b[2..34]) {
+        *yj = f32::from(i8::from_le_bytes([q])) * d;
+    }
+}
+
+/// A decode weight matrix: f32 (as loaded) or the file's quantized blocks.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Mat<'a> {
+    /// Row-major f32 with `cols` columns.
+    F32 {
+        w: &'a [f32],
+        cols: usize,
+    },
+    Quant(&'a QuantMatrix),
+}
+
+impl Mat<'_> {
+    pub(crate) fn rows(&self) -> usize {
+        match self {
+            Mat::F32 { w, cols } => w.len() / (*cols).max(1),
+            Mat::Quant(q) => q.rows,
+        }
+    }
+
+    fn cols(&self) -> usize {
+        match self {
+            Mat::F32 { cols, .. } => *cols,
+            Mat::Quant(q) => q.cols,
+        }
+    }
+}
+
+/// Rows `rows` of `M x_b` for every vector `x_b` of `xs` (each `cols` long) into `out`,
+/// vector-major: `out[b * rows.len() + i]` is row `rows.start + i` of `M x_b`. Each output
+/// is exactly [`math::matvec`]'s for that row and vector alone (see the module docs).
+///
+/// # Panics
+///
+/// If a vector is not `cols` long, a row is out of range, or `out` is not
+/// `xs.len() * rows.len()` long (bugs in the caller: shapes are validated at load).
+pub(crate) fn matvec_multi(m: Mat<'_>, xs: &[&[f32]], rows: Range<usize>, out: &mut [f32]) {
+    assert_eq!(
+        out.len(),
+        xs.len() * rows.len(),
+        "matvec_multi: output length"
+    );
+    let stride = rows.len();
+    matvec_strided(m, xs, rows, out, stride);
+}
+
+/// [`matvec_multi`] of the matrices `ms` stacked (`[M_0; M_1; ...]`, rows counted across
+/// them), rows `rows` of it.
+pub(crate) fn matvec_multi_stacked(
+    ms: &[Mat<'_>],
+    xs: &[&[f32]],
+    rows: Range<usize>,
+    out: &mut [f32],
+) {
+    assert_eq!(
+        out.len(),
+        xs.len() * rows.len(),
+        "matvec_multi: output length"
+    );
+    let stride = rows.len();
+    let mut base = 0;
+    for m in ms {
+        let n = m.rows();
+        let (lo, hi) = (rows.start.max(base), rows.end.min(base + n));
+        if lo < hi {
+            let at = lo - rows.start;
+            matvec_strided(*m, xs, lo - base..hi - base, &mut out[at..], stride);
+        }
+        base += n;
+    }
+}
+
+/// Row `rows.start + i` of `M x_b` into `out[b * stride + i]`.
+fn matvec_strided(m: Mat<'_>, xs: &[&[f32]], rows: Range<usize>, out: &mut [f32], stride: usize) {
+    let cols = m.cols();
+    assert!(
+        xs.iter().all(|x| x.len() == cols),
+        "matvec_multi: vector length"
+    );
+    assert!(rows.end <= m.rows(), "matvec_multi: rows out of range");
+    if rows.is_empty() || xs.is_empty() {
+        return;
+    }
+    assert!(
+        out.len() >= (xs.len() - 1) * stride + rows.len(),
+        "matvec_multi: output too short"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if has_simd() {
+        if has_avx512vl() {
+            // SAFETY: the CPU has AVX2, FMA, F16C, AVX-512F and AVX-512VL (checked at run
+            // time just above), the only requirement of calling a function compiled with
+            // those features.
+            unsafe { matvec_avx512(m, xs, rows, out, stride) };
+        } else {
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked at run time just above).
+            unsafe { matvec_avx2(m, xs, rows, out, stride) };
+        }
+        return;
+    }
+    matvec_body::<false, false>(m, xs, rows, out, stride);
+}
+
+/// Whether the CPU has AVX-512F and AVX-512VL: then the 256-bit kernels may use 32
+/// registers (the arithmetic, and so every result, is that of the AVX2 kernels).
+#[inline]
+fn has_avx512vl() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Whether the AVX2, FMA and F16C kernels may run on this CPU.
+#[inline]
+fn has_simd() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        math::has_avx2_fma() && std::arch::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn matvec_avx2(m: Mat<'_>, xs: &[&[f32]], rows: Range<usize>, out: &mut [f32], stride: usize) {
+    matvec_body::<true, false>(m, xs, rows, out, stride);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+fn matvec_avx512(m: Mat<'_>, xs: &[&[f32]], rows: Range<usize>, out: &mut [f32], stride: usize) {
+    matvec_body::<true, true>(m, xs, rows, out, stride);
+}
+
+/// `matvec_strided`'s work. `SIMD` only inside [`matvec_avx2`] and [`matvec_avx512`],
+/// `WIDE_REGS` (32 registers: two rows at once) only inside the latter.
+///
+/// One vector of a quantized matrix: each block is dequantized into registers and
+/// multiplied there. More: rows are dequantized into buffers that stay in L1 and each
+/// weight loaded from there serves two vectors (and, with 32 registers, two rows).
+#[inline(always)]
+fn matvec_body<const SIMD: bool, const WIDE_REGS: bool>(
+    m: Mat<'_>,
+    xs: &[&[f32]],
+    rows: Range<usize>,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let cols = m.cols();
+    #[cfg(target_arch = "x86_64")]
+    if SIMD
+        && cols >= simd::WIDE
+        && let (Mat::Quant(q), [x]) = (m, xs)
+    {
+        for (i, r) in rows.enumerate() {
+            // SAFETY: SIMD is set only in functions compiled for AVX2, FMA and F16C, called
+            // once the CPU is known to have them; `x` is as long as a row.
+            out[i] = unsafe { simd::dot_blocks(q.kind, q.row(r), x) };
+        }
+        return;
+    }
+    let mut bufs = [vec![0f32; cols], vec![0f32; cols]];
+    let two = SIMD && WIDE_REGS && cols >= WIDE && xs.len() > 1;
+    let mut i = 0;
+    let rows: Vec<usize> = rows.collect();
+    while i < rows.len() {
+        let [b0, b1] = &mut bufs;
+        if two && i + 1 < rows.len() {
+            let (p0, p1) = (row::<SIMD>(m, rows[i], b0), row::<SIMD>(m, rows[i + 1], b1));
+            // SAFETY: each pointer is a row of `cols` values, in `m` or in a buffer of
+            // `cols`, neither touched until the next iteration.
+            let (r0, r1) = unsafe {
+                (
+                    std::slice::from_raw_parts(p0, cols),
+                    std::slice::from_raw_parts(p1, cols),
+                )
+            };
+            dots2::<SIMD, WIDE_REGS>(r0, r1, xs, &mut out[i..], stride);
+            i += 2;
+        } else {
+            let p0 = row::<SIMD>(m, rows[i], b0);
+            // SAFETY: as above.
+            let r0 = unsafe { std::slice::from_raw_parts(p0, cols) };
+            dots::<SIMD>(r0, xs, &mut out[i..], stride);
+            i += 1;
+        }
+    }
+}
+
+/// Row `r` of `m`: in place for f32, dequantized into `buf` for blocks. (A function, not a
+/// closure: closures do not inherit the target features of the kernels that inline this.)
+#[inline(always)]
+fn row<const SIMD: bool>(m: Mat<'_>, r: usize, buf: &mut [f32]) -> *const f32 {
+    match m {
+        Mat::F32 { w, cols } => w[r * cols..(r + 1) * cols].as_ptr(),
+        Mat::Quant(q) => {
+            q.dequantize_row::<SIMD>(r, buf);
+            buf.as_ptr()
+        }
+    }
+}
+
+/// The row width from which the four-accumulator kernels apply: [`math::dot_row`]'s.
+const WIDE: usize = 256;
+
+/// `out[b * stride] = row · xs[b]` for every `b`, each summed as [`math::dot_row`] sums it.
+#[inline(always)]
+fn dots<const SIMD: bool>(row: &[f32], xs: &[&[f32]], out: &mut [f32], stride: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if SIMD && row.len() >= simd::WIDE {
+        let mut pairs = xs.chunks_exact(2);
+        let mut at = 0;
+        for pair in pairs.by_ref() {
+            // SAFETY: SIMD is set only in functions compiled for AVX2 and FMA, called once
+            // the CPU is known to have them; the vectors are as long as the row (checked by
+            // `matvec_strided`).
+            let (a, b) = unsafe { simd::dot2(row, pair[0], pair[1]) };
+            out[at] = a;
+            out[at + stride] = b;
+            at += 2 * stride;
+        }
+        if let [x] = pairs.remainder() {
+            // SAFETY: as above.
+            out[at] = unsafe { simd::dot2(row, x, x) }.0;
+        }
+        return;
+    }
+    for (b, x) in xs.iter().enumerate() {
+        out[b * stride] = math::dot_row::<SIMD>(row, x);
+    }
+}
+
+/// [`dots`] of two rows: `out[b * stride]` from `r0`, `out[b * stride + 1]` from `r1`.
+#[inline(always)]
+fn dots2<const SIMD: bool, const WIDE_REGS: bool>(
+    r0: &[f32],
+    r1: &[f32],
+    xs: &[&[f32]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if SIMD && WIDE_REGS && r0.len() >= simd::WIDE {
+        let mut pairs = xs.chunks_exact(2);
+        let mut at = 0;
+        for pair in pairs.by_ref() {
+            // SAFETY: WIDE_REGS is set only in `matvec_avx512`, compiled for AVX-512F/VL
+            // and called once the CPU is known to have them; lengths as in `dots`.
+            let [a0, a1, b0, b1] = unsafe { simd::dot2x2(r0, r1, pair[0], pair[1]) };
+            out[at] = a0;
+            out[at + 1] = a1;
+            out[at + stride] = b0;
+            out[at + stride + 1] = b1;
+            at += 2 * stride;
+        }
+        if let [x] = pairs.remainder() {
+            // SAFETY: as above.
+            let [a0, a1, ..] = unsafe { simd::dot2x2(r0, r1, x, x) };
+            out[at] = a0;
+            out[at + 1] = a1;
+        }
+        return;
+    }
+    dots::<SIMD>(r0, xs, out, stride);
+    dots::<SIMD>(r1, xs, &mut out[1..], stride);
+}
+
+/// The block dequantizers for AVX2 with F16C: the same values as the scalar ones (an exact
+/// widening of the scales and the integers, then one rounded product and one rounded sum);
+/// and the dot product of a wide row with two vectors at once, each summed exactly as
+/// [`math::dot_row`] sums a row of [`WIDE`] or more columns (four accumulators of eight
+/// lanes, fused multiply-adds, the same tree at the end).
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    /// The narrowest row [`dot2`] takes.
+    pub(super) use super::WIDE;
+
+    /// `[r0 · a, r1 · a, r0 · b, r1 · b]`, each as [`dot2`] sums it: 16 accumulators, for
+    /// the 32 registers of AVX-512VL.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2, FMA and AVX-512VL; `r1`, `a` and `b` are at least as long as `r0`.
+    #[inline(always)]
+    pub(super) unsafe fn dot2x2(r0: &[f32], r1: &[f32], a: &[f32], b: &[f32]) -> [f32; 4] {
+        let n = r0.len();
+        debug_assert!(r1.len() >= n && a.len() >= n && b.len() >= n);
+        if !n.is_multiple_of(32) {
+            // SAFETY: the caller's promise covers `dot2`'s.
+            let (x, y) = unsafe { (dot2(r0, a, b), dot2(r1, a, b)) };
+            return [x.0, y.0, x.1, y.1];
+        }
+        let (w0, w1, pa, pb) = (r0.as_ptr(), r1.as_ptr(), a.as_ptr(), b.as_ptr());
+        // SAFETY: every load reads below `n` from the four slices (lengths above); the
+        // features are the caller's promise.
+        unsafe {
+            let z = _mm256_setzero_ps();
+            let (mut a0, mut a1, mut b0, mut b1) = ([z; 4], [z; 4], [z; 4], [z; 4]);
+            let mut j = 0;
+            while j < n {
+                for k in 0..4 {
+                    let (u, v) = (
+                        _mm256_loadu_ps(w0.add(j + 8 * k)),
+                        _mm256_loadu_ps(w1.add(j + 8 * k)),
+                    );
+                    let xa = _mm256_loadu_ps(pa.add(j + 8 * k));
+                    a0[k] = _mm256_fmadd_ps(u, xa, a0[k]);
+                    a1[k] = _mm256_fmadd_ps(v, xa, a1[k]);
+                    let xb = _mm256_loadu_ps(pb.add(j + 8 * k));
+                    b0[k] = _mm256_fmadd_ps(u, xb, b0[k]);
+                    b1[k] = _mm256_fmadd_ps(v, xb, b1[k]);
+                }
+                j += 32;
+            }
+            [reduce(a0), reduce(a1), reduce(b0), reduce(b1)]
+        }
+    }
+
+    /// `blocks · x` for a row of quantized blocks, each block dequantized into registers:
+    /// the values of [`super::QuantMatrix::dequantize_row`], summed as [`dot2`] sums.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2, FMA and F16C; `x` holds 32 values per block of `blocks`, at least
+    /// [`WIDE`] in all.
+    #[inline(always)]
+    pub(super) unsafe fn dot_blocks(kind: super::QuantKind, blocks: &[u8], x: &[f32]) -> f32 {
+        let bytes = kind.block_bytes();
+        debug_assert!(x.len() >= blocks.len() / bytes * 32);
+        let px = x.as_ptr();
+        // SAFETY: block `i` reads `x[32 i..32 i + 32]`, inside `x` (above); the features
+        // are the caller's promise.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); 4];
+            for (i, b) in blocks.chunks_exact(bytes).enumerate() {
+                let w = match kind {
+                    super::QuantKind::Q4_1 => q4_1_regs(b),
+                    super::QuantKind::Q8_0 => q8_0_regs(b),
+                };
+                for k in 0..4 {
+                    acc[k] = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(px.add(32 * i + 8 * k)), acc[k]);
+                }
+            }
+            reduce(acc)
+        }
+    }
+
+    /// `(row · a, row · b)`.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2 and FMA; `a` and `b` are at least as long as `row`.
+    #[inline(always)]
+    pub(super) unsafe fn dot2(row: &[f32], a: &[f32], b: &[f32]) -> (f32, f32) {
+        let n = row.len();
+        debug_assert!(a.len() >= n && b.len() >= n);
+        let (w, pa, pb) = (row.as_ptr(), a.as_ptr(), b.as_ptr());
+        // SAFETY: every load reads below `n` from the three slices (lengths above); the
+        // features are the caller's promise.
+        unsafe {
+            let mut acc_a = [_mm256_setzero_ps(); 4];
+            let mut acc_b = [_mm256_setzero_ps(); 4];
+            let blocks = n / 32 * 32;
+            let mut j = 0;
+            while j < blocks {
+                for k in 0..4 {
+                    let wv = _mm256_loadu_ps(w.add(j + 8 * k));
+                    acc_a[k] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(pa.add(j + 8 * k)), acc_a[k]);
+                    acc_b[k] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(pb.add(j + 8 * k)), acc_b[k]);
+                }
+                j += 32;
+            }
+            // Whole vectors after the blocks go to the accumulators in turn, as in dot_body.
+            let whole = n / 8 * 8;
+            let mut k = 0;
+            while j < whole {
+                let wv = _mm256_loadu_ps(w.add(j));
+                acc_a[k] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(pa.add(j)), acc_a[k]);
+                acc_b[k] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(pb.add(j)), acc_b[k]);
+                j += 8;
+                k += 1;
+            }
+            if whole < n {
+                acc_a[0] = tail(acc_a[0], &row[whole..n], &a[whole..n]);
+                acc_b[0] = tail(acc_b[0], &row[whole..n], &b[whole..n]);
+            }
+            (reduce(acc_a), reduce(acc_b))
+        }
+    }
+
+    /// The last `w.len() < 8` products, fused into the first lanes of `acc` as dot_body
+    /// does.
+    #[inline(always)]
+    unsafe fn tail(acc: __m256, w: &[f32], x: &[f32]) -> __m256 {
+        // SAFETY: `lanes` holds the 8 values stored and loaded; AVX and FMA are the caller's
+        // promise.
+        unsafe {
+            let mut lanes = [0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+            for ((l, w), x) in lanes.iter_mut().zip(w).zip(x) {
+                *l = w.mul_add(*x, *l);
+            }
+            _mm256_loadu_ps(lanes.as_ptr())
+        }
+    }
+
+    /// dot_body's tree: `(acc0 + acc2) + (acc1 + acc3)` lane by lane, then the lanes as
+    /// `sum_lanes`: `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`.
+    #[inline(always)]
+    unsafe fn reduce(acc: [__m256; 4]) -> f32 {
+        // SAFETY: register arithmetic only; AVX is the caller's promise.
+        unsafe {
+            let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]));
+            let b = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
+            let c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+            _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps::<1>(c, c)))
+        }
+    }
+
+    /// The two f16 at `b[0..2]` and `b[2..4]`, widened exactly.
+    #[inline(always)]
+    unsafe fn scales(b: &[u8]) -> (__m256, __m256) {
+        // SAFETY: `b` has at least 4 bytes (a block); F16C is enabled by the caller.
+        unsafe {
+            let h = _mm_cvtsi32_si128(i32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            let f = _mm_cvtph_ps(h);
+            (
+                _mm256_broadcastss_ps(f),
+                _mm256_broadcastss_ps(_mm_shuffle_ps::<1>(f, f)),
+            )
+        }
+    }
+
+    /// A Q4_1 block's 32 weights in four registers of eight.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2 and F16C; `b` is a 20-byte Q4_1 block.
+    #[inline(always)]
+    unsafe fn q4_1_regs(b: &[u8]) -> [__m256; 4] {
+        debug_assert!(b.len() >= 20);
+        // SAFETY: the length above bounds the load; the features are the caller's promise.
+        unsafe {
+            let (d, m) = scales(b);
+            let q = _mm_loadu_si128(b.as_ptr().add(4).cast());
+            let mask = _mm_set1_epi8(0x0F);
+            let lo = _mm_and_si128(q, mask);
+            let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
+            // No closures here: a closure does not inherit its function's target features.
+            let q = [lo, _mm_srli_si128::<8>(lo), hi, _mm_srli_si128::<8>(hi)];
+            let mut w = [_mm256_setzero_ps(); 4];
+            for k in 0..4 {
+                let v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[k]));
+                w[k] = _mm256_add_ps(_mm256_mul_ps(v, d), m);
+            }
+            w
+        }
+    }
+
+    /// A Q8_0 block's 32 weights in four registers of eight.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2 and F16C; `b` is a 34-byte Q8_0 block.
+    #[inline(always)]
+    unsafe fn q8_0_regs(b: &[u8]) -> [__m256; 4] {
+        debug_assert!(b.len() >= 34);
+        // SAFETY: as in `q4_1_regs`.
+        unsafe {
+            let h = _mm_cvtsi32_si128(i32::from(u16::from_le_bytes([b[0], b[1]])));
+            let d = _mm256_broadcastss_ps(_mm_cvtph_ps(h));
+            let q = _mm256_loadu_si256(b.as_ptr().add(2).cast());
+            let (q0, q1) = (_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q));
+            let q = [q0, _mm_srli_si128::<8>(q0), q1, _mm_srli_si128::<8>(q1)];
+            let mut w = [_mm256_setzero_ps(); 4];
+            for k in 0..4 {
+                w[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q[k])), d);
+            }
+            w
+        }
+    }
+
+    /// # Safety
+    ///
+    /// The CPU has AVX2 and F16C; `b` is a 20-byte Q4_1 block, `y` at least 32 values.
+    #[inline(always)]
+    pub(super) unsafe fn q4_1_block(b: &[u8], y: &mut [f32]) {
+        debug_assert!(y.len() >= 32);
+        // SAFETY: the caller's promise is `q4_1_regs`'s; `y` holds the 32 values stored.
+        unsafe { store(q4_1_regs(b), y) }
+    }
+
+    /// # Safety
+    ///
+    /// The CPU has AVX2 and F16C; `b` is a 34-byte Q8_0 block, `y` at least 32 values.
+    #[inline(always)]
+    pub(super) unsafe fn q8_0_block(b: &[u8], y: &mut [f32]) {
+        debug_assert!(y.len() >= 32);
+        // SAFETY: as in `q4_1_block`.
+        unsafe { store(q8_0_regs(b), y) }
+    }
+
+    #[inline(always)]
+    unsafe fn store(w: [__m256; 4], y: &mut [f32]) {
+        // SAFETY: `y` holds at least 32 values (the callers' check); AVX is their promise.
+        unsafe {
+            for (i, v) in w.into_iter().enumerate() {
+                _mm256_storeu_ps(y.as_mut_ptr().add(8 * i), v);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::dequantize_into;
+
+    fn lcg(seed: &mut u64) -> u64 {
+        *seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        *seed >> 33
+    }
+
+    /// Random blocks with finite scales (`d` and `m` of a small exponent).
+    fn blocks(kind: QuantKind, rows: usize, cols: usize, seed: &mut u64) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        for _ in 0..rows * cols / BLOCK {
+            let scale = |seed: &mut u64| {
+                let v = (lcg(seed) % 2000) as f32 / 1000.0 - 1.0;
+                half::f16::from_f32(v * 0.05).to_le_bytes()
+            };
+            bytes.extend_from_slice(&scale(seed));
+            if kind == QuantKind::Q4_1 {
+                bytes.extend_from_slice(&scale(seed));
+            }
+            let qs = kind.block_bytes() - bytes.len() % kind.block_bytes();
+            for _ in 0..qs {
+                bytes.push(lcg(seed).to_le_bytes()[0]);
+            }
+        }
+        bytes
+    }
+
+    #[test]
+    fn products_equal_the_f32_kernel_on_the_dequantized_weights() {
+        let mut seed = 7;
+        for (kind, ggml) in [
+            (QuantKind::Q4_1, GgmlType::Q4_1),
+            (QuantKind::Q8_0, GgmlType::Q8_0),
+        ] {
+            for cols in [32, 256, 576, 1536] {
+                let rows = 9;
+                let bytes = blocks(kind, rows, cols, &mut seed);
+                let mut f = vec![0f32; rows * cols];
+                dequantize_into(ggml, &bytes, &mut f).unwrap();
+                let q = QuantMatrix::new(kind, rows, cols, bytes).unwrap();
+                let xs: Vec<Vec<f32>> = (0..5)
+                    .map(|_| {
+                        (0..cols)
+                            .map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0)
+                            .collect()
+                    })
+                    .collect();
+                let refs: Vec<&[f32]> = xs.iter().map(Vec::as_slice).collect();
+                let (lo, hi) = (2, 8);
+                let mut got = vec![0f32; refs.len() * (hi - lo)];
+                matvec_multi(Mat::Quant(&q), &refs, lo..hi, &mut got);
+                let mut from_f32 = vec![0f32; refs.len() * (hi - lo)];
+                matvec_multi(Mat::F32 { w: &f, cols }, &refs, lo..hi, &mut from_f32);
+                for (b, x) in refs.iter().enumerate() {
+                    let mut want = vec![0f32; hi - lo];
+                    math::matvec(&f[lo * cols..hi * cols], x, &mut want);
+                    let got_b = &got[b * (hi - lo)..(b + 1) * (hi - lo)];
+                    let f32_b = &from_f32[b * (hi - lo)..(b + 1) * (hi - lo)];
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(got_b), bits(&want), "{kind:?} cols {cols} vector {b}");
+                    assert_eq!(bits(f32_b), bits(&want), "f32 cols {cols} vector {b}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_matrix_must_be_whole_blocks() {
+        assert!(QuantMatrix::new(QuantKind::Q4_1, 2, 32, vec![0; 40]).is_some());
+        assert!(QuantMatrix::new(QuantKind::Q4_1, 2, 32, vec![0; 39]).is_none());
+        assert!(QuantMatrix::new(QuantKind::Q8_0, 1, 48, vec![0; 51]).is_none());
+        assert!(QuantMatrix::new(QuantKind::Q8_0, 1, 0, vec![]).is_none());
+    }
+
+    #[test]
+    fn permuted_rows_move_whole() {
+        let mut seed = 3;
+        let bytes = blocks(QuantKind::Q8_0, 4, 64, &mut seed);
+        let q = QuantMatrix::new(QuantKind::Q8_0, 4, 64, bytes).unwrap();
+        let p = q.permute_rows(|i| 3 - i);
+        let (mut a, mut b) = (vec![0f32; 64], vec![0f32; 64]);
+        for r in 0..4 {
+            q.dequantize_row::<false>(3 - r, &mut a);
+            p.dequantize_row::<false>(r, &mut b);
+            assert_eq!(a, b);
+        }
+    }
+}
