@@ -744,32 +744,58 @@ mod tests {
             (QuantKind::Q8_0, GgmlType::Q8_0),
         ] {
             for cols in [32, 256, 576, 1536] {
-                let rows = 9;
+                let rows = 10;
                 let bytes = blocks(kind, rows, cols, &mut seed);
                 let mut f = vec![0f32; rows * cols];
                 dequantize_into(ggml, &bytes, &mut f).unwrap();
                 let q = QuantMatrix::new(kind, rows, cols, bytes).unwrap();
-                let xs: Vec<Vec<f32>> = (0..5)
-                    .map(|_| {
-                        (0..cols)
-                            .map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0)
-                            .collect()
-                    })
-                    .collect();
-                let refs: Vec<&[f32]> = xs.iter().map(Vec::as_slice).collect();
-                let (lo, hi) = (2, 8);
-                let mut got = vec![0f32; refs.len() * (hi - lo)];
-                matvec_multi(Mat::Quant(&q), &refs, lo..hi, &mut got);
-                let mut from_f32 = vec![0f32; refs.len() * (hi - lo)];
-                matvec_multi(Mat::F32 { w: &f, cols }, &refs, lo..hi, &mut from_f32);
-                for (b, x) in refs.iter().enumerate() {
-                    let mut want = vec![0f32; hi - lo];
-                    math::matvec(&f[lo * cols..hi * cols], x, &mut want);
-                    let got_b = &got[b * (hi - lo)..(b + 1) * (hi - lo)];
-                    let f32_b = &from_f32[b * (hi - lo)..(b + 1) * (hi - lo)];
-                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(got_b), bits(&want), "{kind:?} cols {cols} vector {b}");
-                    assert_eq!(bits(f32_b), bits(&want), "f32 cols {cols} vector {b}");
+                for vectors in [1, 2, 3, 5] {
+                    let xs: Vec<Vec<f32>> = (0..vectors)
+                        .map(|_| {
+                            (0..cols)
+                                .map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0)
+                                .collect()
+                        })
+                        .collect();
+                    let refs: Vec<&[f32]> = xs.iter().map(Vec::as_slice).collect();
+                    // An odd number of rows: the kernels that take two rows at once end on one.
+                    let (lo, hi) = (2, 9);
+                    let mut got = vec![0f32; refs.len() * (hi - lo)];
+                    matvec_multi(Mat::Quant(&q), &refs, lo..hi, &mut got);
+                    let mut from_f32 = vec![0f32; refs.len() * (hi - lo)];
+                    matvec_multi(Mat::F32 { w: &f, cols }, &refs, lo..hi, &mut from_f32);
+                    // Every kernel this CPU can run, not only the one dispatch picks. The
+                    // portable one rounds each multiply-add twice (no FMA): quantized or f32,
+                    // it agrees with itself.
+                    let n = hi - lo;
+                    let portable = |m: Mat<'_>| {
+                        let mut out = vec![0f32; refs.len() * n];
+                        matvec_body::<false, false>(m, &refs, lo..hi, &mut out, n);
+                        out
+                    };
+                    assert_eq!(
+                        portable(Mat::Quant(&q)),
+                        portable(Mat::F32 { w: &f, cols }),
+                        "portable kernel, cols {cols}"
+                    );
+                    for m in [Mat::Quant(&q), Mat::F32 { w: &f, cols }] {
+                        #[cfg(target_arch = "x86_64")]
+                        if has_simd() {
+                            let mut avx2 = vec![0f32; refs.len() * n];
+                            // SAFETY: the CPU has the features (checked just above).
+                            unsafe { matvec_avx2(m, &refs, lo..hi, &mut avx2, n) };
+                            assert_eq!(avx2, got, "AVX2 kernel, cols {cols}");
+                        }
+                    }
+                    for (b, x) in refs.iter().enumerate() {
+                        let mut want = vec![0f32; hi - lo];
+                        math::matvec(&f[lo * cols..hi * cols], x, &mut want);
+                        let got_b = &got[b * (hi - lo)..(b + 1) * (hi - lo)];
+                        let f32_b = &from_f32[b * (hi - lo)..(b + 1) * (hi - lo)];
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(got_b), bits(&want), "{kind:?} cols {cols} vector {b}");
+                        assert_eq!(bits(f32_b), bits(&want), "f32 cols {cols} vector {b}");
+                    }
                 }
             }
         }
