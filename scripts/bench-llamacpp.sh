@@ -3,8 +3,9 @@
 # same prompt length and the same threads, in one run: rounds alternate kvfence and
 # llama.cpp (its Python binding, llama-cpp-python, in a virtual environment) on 1 and on 2
 # threads. Each round measures prefill of a 512-token prompt and 64 greedy decode steps
-# after it. Prints every round as a JSON line, then a table of medians with the ratio
-# kvfence / llama.cpp.
+# after it; kvfence's rounds also decode with the f32 weights, and 16 requests of 128 tokens
+# together against one alone. Prints every round as a JSON line, then tables of medians with
+# the ratios kvfence / llama.cpp, blocks / f32 and together / one.
 #
 #   scripts/bench-llamacpp.sh [ROUNDS]   # default 3; venv as scripts/crosscheck-llamacpp.sh
 set -euo pipefail
@@ -70,4 +71,15 @@ for t in (1, 2):
         k = statistics.median(r[key] for r in rows if r["impl"] == "kvfence" and r["threads"] == t)
         l = statistics.median(r[key] for r in rows if r["impl"] == "llama.cpp" and r["threads"] == t)
         print(f"| {t} | {what} | {k:.1f} | {l:.1f} | {k / l:.2f} |")
+# kvfence alone: decode with the f32 weights (before the block kernels), and 16 requests
+# decoded together against one of them alone (prompts of 128 tokens), same rounds.
+print("\n| threads | kvfence decode, f32 weights (tok/s) | blocks / f32 | one request (tok/s) "
+      "| 16 together (tok/s, all) | together / one |")
+print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+for t in (1, 2):
+    mine = [r for r in rows if r["impl"] == "kvfence" and r["threads"] == t]
+    med = lambda key: statistics.median(r[key] for r in mine)
+    print(f"| {t} | {med('decode_f32_tok_s'):.1f} | {med('decode_tok_s') / med('decode_f32_tok_s'):.2f} "
+          f"| {med('one_tok_s'):.1f} | {med('batch_tok_s'):.1f} "
+          f"| {statistics.median(r['batch_tok_s'] / r['one_tok_s'] for r in mine):.2f} |")
 PY

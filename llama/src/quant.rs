@@ -352,29 +352,28 @@ fn matvec_body<const SIMD: bool, const WIDE_REGS: bool>(
         }
         return;
     }
-    let mut bufs = [vec![0f32; cols], vec![0f32; cols]];
-    let two = SIMD && WIDE_REGS && cols >= WIDE && xs.len() > 1;
-    let mut i = 0;
+    let mut bufs: [Vec<f32>; 4] = std::array::from_fn(|_| vec![0f32; cols]);
+    let many = SIMD && WIDE_REGS && cols >= WIDE && xs.len() > 1;
+    let four = many && cols.is_multiple_of(32);
     let rows: Vec<usize> = rows.collect();
+    let mut i = 0;
     while i < rows.len() {
-        let [b0, b1] = &mut bufs;
-        if two && i + 1 < rows.len() {
-            let (p0, p1) = (row::<SIMD>(m, rows[i], b0), row::<SIMD>(m, rows[i + 1], b1));
-            // SAFETY: each pointer is a row of `cols` values, in `m` or in a buffer of
-            // `cols`, neither touched until the next iteration.
-            let (r0, r1) = unsafe {
-                (
-                    std::slice::from_raw_parts(p0, cols),
-                    std::slice::from_raw_parts(p1, cols),
-                )
-            };
+        let [b0, b1, b2, b3] = &mut bufs;
+        if four && i + 3 < rows.len() {
+            let r = [
+                row::<SIMD>(m, rows[i], b0),
+                row::<SIMD>(m, rows[i + 1], b1),
+                row::<SIMD>(m, rows[i + 2], b2),
+                row::<SIMD>(m, rows[i + 3], b3),
+            ];
+            dots4::<SIMD, WIDE_REGS>(r, xs, &mut out[i..], stride);
+            i += 4;
+        } else if many && i + 1 < rows.len() {
+            let (r0, r1) = (row::<SIMD>(m, rows[i], b0), row::<SIMD>(m, rows[i + 1], b1));
             dots2::<SIMD, WIDE_REGS>(r0, r1, xs, &mut out[i..], stride);
             i += 2;
         } else {
-            let p0 = row::<SIMD>(m, rows[i], b0);
-            // SAFETY: as above.
-            let r0 = unsafe { std::slice::from_raw_parts(p0, cols) };
-            dots::<SIMD>(r0, xs, &mut out[i..], stride);
+            dots::<SIMD>(row::<SIMD>(m, rows[i], b0), xs, &mut out[i..], stride);
             i += 1;
         }
     }
@@ -383,12 +382,12 @@ fn matvec_body<const SIMD: bool, const WIDE_REGS: bool>(
 /// Row `r` of `m`: in place for f32, dequantized into `buf` for blocks. (A function, not a
 /// closure: closures do not inherit the target features of the kernels that inline this.)
 #[inline(always)]
-fn row<const SIMD: bool>(m: Mat<'_>, r: usize, buf: &mut [f32]) -> *const f32 {
+fn row<'a, const SIMD: bool>(m: Mat<'a>, r: usize, buf: &'a mut [f32]) -> &'a [f32] {
     match m {
-        Mat::F32 { w, cols } => w[r * cols..(r + 1) * cols].as_ptr(),
+        Mat::F32 { w, cols } => &w[r * cols..(r + 1) * cols],
         Mat::Quant(q) => {
             q.dequantize_row::<SIMD>(r, buf);
-            buf.as_ptr()
+            buf
         }
     }
 }
@@ -421,6 +420,43 @@ fn dots<const SIMD: bool>(row: &[f32], xs: &[&[f32]], out: &mut [f32], stride: u
     for (b, x) in xs.iter().enumerate() {
         out[b * stride] = math::dot_row::<SIMD>(row, x);
     }
+}
+
+/// [`dots`] of four rows: `out[b * stride + k]` from `r[k]`. Only where `WIDE_REGS`, on
+/// rows of whole 32-value blocks.
+#[inline(always)]
+fn dots4<const SIMD: bool, const WIDE_REGS: bool>(
+    r: [&[f32]; 4],
+    xs: &[&[f32]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if SIMD && WIDE_REGS {
+        let mut pairs = xs.chunks_exact(2);
+        let mut at = 0;
+        for pair in pairs.by_ref() {
+            // SAFETY: WIDE_REGS is set only in `matvec_avx512`, compiled for AVX-512F/VL
+            // and called once the CPU is known to have them; every row and vector is the
+            // same whole number of blocks long (`matvec_strided`, `matvec_body`).
+            let d = unsafe { simd::dot4x2(r, pair[0], pair[1]) };
+            for (k, [a, b]) in d.into_iter().enumerate() {
+                out[at + k] = a;
+                out[at + stride + k] = b;
+            }
+            at += 2 * stride;
+        }
+        if let [x] = pairs.remainder() {
+            // SAFETY: as above.
+            let d = unsafe { simd::dot4x2(r, x, x) };
+            for (k, [a, _]) in d.into_iter().enumerate() {
+                out[at + k] = a;
+            }
+        }
+        return;
+    }
+    dots2::<SIMD, WIDE_REGS>(r[0], r[1], xs, out, stride);
+    dots2::<SIMD, WIDE_REGS>(r[2], r[3], xs, &mut out[2..], stride);
 }
 
 /// [`dots`] of two rows: `out[b * stride]` from `r0`, `out[b * stride + 1]` from `r1`.
@@ -508,6 +544,56 @@ mod simd {
                 j += 32;
             }
             [reduce(a0), reduce(a1), reduce(b0), reduce(b1)]
+        }
+    }
+
+    /// `[[r[k] · a, r[k] · b]; 4]`, each summed as [`dot2`] sums it, two at a time: a
+    /// 512-bit register holds the eight lanes of one accumulator of `r[k] · a` in its low
+    /// half and those of `r[k] · b` in its high half, and one 512-bit multiply-add does the
+    /// work of two 256-bit ones, lane by lane the same arithmetic.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512F; every row, `a` and `b` are `r[0].len()` long, a multiple of 32.
+    #[inline(always)]
+    pub(super) unsafe fn dot4x2(r: [&[f32]; 4], a: &[f32], b: &[f32]) -> [[f32; 2]; 4] {
+        let n = r[0].len();
+        debug_assert!(n.is_multiple_of(32) && a.len() >= n && b.len() >= n);
+        debug_assert!(r.iter().all(|r| r.len() >= n));
+        let w = [r[0].as_ptr(), r[1].as_ptr(), r[2].as_ptr(), r[3].as_ptr()];
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        // SAFETY: every load reads below `n` from its slice (lengths above); the features
+        // are the caller's promise.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+            let mut j = 0;
+            while j < n {
+                for k in 0..4 {
+                    let lo = _mm512_castps256_ps512(_mm256_loadu_ps(pa.add(j + 8 * k)));
+                    let x = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                        _mm512_castps_pd(lo),
+                        _mm256_castps_pd(_mm256_loadu_ps(pb.add(j + 8 * k))),
+                    ));
+                    for (acc, w) in acc.iter_mut().zip(w) {
+                        let v = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(
+                            _mm256_loadu_ps(w.add(j + 8 * k)),
+                        )));
+                        acc[k] = _mm512_fmadd_ps(v, x, acc[k]);
+                    }
+                }
+                j += 32;
+            }
+            let mut out = [[0f32; 2]; 4];
+            for (o, acc) in out.iter_mut().zip(acc) {
+                // No closures (they do not inherit the target features).
+                let (mut lo, mut hi) = ([_mm256_setzero_ps(); 4], [_mm256_setzero_ps(); 4]);
+                for k in 0..4 {
+                    lo[k] = _mm512_castps512_ps256(acc[k]);
+                    hi[k] = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc[k])));
+                }
+                *o = [reduce(lo), reduce(hi)];
+            }
+            out
         }
     }
 
