@@ -909,3 +909,41 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod speed {
+    use super::*;
+
+    /// `cargo test --release -p llama --lib kernel_speed -- --ignored --nocapture`: the
+    /// products alone, one vector against sixteen, on SmolLM2-135M's shapes.
+    #[test]
+    #[ignore = "a benchmark"]
+    fn kernel_speed() {
+        for (rows, cols) in [(1536, 576), (576, 1536), (4096, 576)] {
+            let blocks = rows * cols / BLOCK;
+            let mut bytes = vec![0u8; blocks * 20];
+            for (i, b) in bytes.iter_mut().enumerate() {
+                *b = (i * 7 % 251).to_le_bytes()[0] & 0x3F;
+            }
+            let q = QuantMatrix::new(QuantKind::Q4_1, rows, cols, bytes).unwrap();
+            let xs: Vec<Vec<f32>> = (0..16)
+                .map(|b| (0..cols).map(|i| ((i + b) % 13) as f32 * 0.01).collect())
+                .collect();
+            for n in [1, 2, 4, 8, 16] {
+                let refs: Vec<&[f32]> = xs[..n].iter().map(Vec::as_slice).collect();
+                let mut out = vec![0f32; n * rows];
+                let reps = 200;
+                let t = std::time::Instant::now();
+                for _ in 0..reps {
+                    matvec_multi(Mat::Quant(&q), &refs, 0..rows, &mut out);
+                }
+                let us = t.elapsed().as_secs_f64() * 1e6 / f64::from(reps);
+                let gflop = 2.0 * (rows * cols * n) as f64 / us / 1e3;
+                let per = us / n as f64;
+                eprintln!(
+                    "{rows}x{cols} x {n:>2}: {us:>8.1} us  {gflop:>6.1} GFLOP/s  {per:>5.2} us/vector"
+                );
+            }
+        }
+    }
+}
