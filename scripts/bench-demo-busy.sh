@@ -5,7 +5,7 @@
 # as a JSON line (build, passed, failed requests and why), then the pass count per build.
 #
 #   scripts/bench-demo-busy.sh ROUNDS BIN_DIR [BIN_DIR...]
-#   DEMO_REQUESTS=24 scripts/bench-demo-busy.sh ...   # more requests than decode threads
+#   DEMO_REQUESTS=24 scripts/bench-demo-busy.sh ...   # more concurrent requests
 #
 # Each BIN_DIR holds kvctl and the daemons of one build (target/release, or the release
 # directory of another checkout). The busy loops are this script's own children, ended by

@@ -1,16 +1,23 @@
-//! Pull, verify and decode jobs, in two stages on two small fixed pools of threads.
+//! A request's job: its pull and verification on the pull threads, then its decode on the
+//! batcher thread ([`crate::batch`]).
 //!
-//! A job owns its request's [`Reservation`] and a cancel flag. Its pull and verification run
-//! on the pull threads, so a pull never waits behind another request's decode: the transfer
-//! deadline measures the transfer. The verified KV then goes to the decode threads, whose
-//! queue is bounded only by the request's own deadline (a request that waits there past it
-//! fails saying it waited for a decode thread). A job checks its cancel flag and its deadline
-//! between pages and between decode steps, sends its frames (already encoded) back to the
-//! event loop over a channel and wakes it, and ends with [`JobEvent::Ended`] once everything
-//! it held is dropped, so the pages are back on the free list when the loop reports them
-//! `Freed`.
+//! A job owns its request's [`Reservation`] and a cancel flag. `Decode` (in `lib.rs`) hands
+//! it to [`JobPool::submit`], and one of [`PULL_THREADS`](crate::PULL_THREADS) pull threads
+//! copies the manifest's pages from the prefill worker's [`PageSource`] (its mapped pool, or
+//! its page server over TCP or RDMA) into the reservation's own pages, then verifies them.
+//! Pulls run on threads of their own, so a pull never waits behind a decode: the transfer
+//! deadline measures the transfer. The verified KV ([`Decoding`]) then goes to the batcher,
+//! which decodes up to `[decode] max_batch` requests together, one model step over all of
+//! them at a time; a request waits there for a slot at most until its request deadline (and
+//! then fails saying it waited for a decode batch slot).
+//!
+//! Both stages check the cancel flag and the deadlines between pages and between decode
+//! steps, send their frames (already encoded) back to the event loop over a channel and wake
+//! it, and end the job with [`JobEvent::Ended`] once everything it held is dropped, so the
+//! pages are back on the free list when the loop reports them `Freed`.
 
 use crate::Counters;
+use crate::batch::{self, Decoding};
 use crossbeam::channel::{Receiver, Sender};
 use libkv::Owner;
 use libkv::RequestId;
@@ -19,10 +26,10 @@ use libkv::model::ModelRunner;
 use libkv::pool::{Reservation, WriteGrant};
 use libkv::proto::Sampling;
 use libkv::proto::TOKEN_BYTES;
-use libkv::proto::{Done, Error, ErrorCode, Message, PageRequest, PullDone, RdmaReadDone, Tokens};
+use libkv::proto::{Error, ErrorCode, Message, PageRequest, PullDone, RdmaReadDone};
 use libkv::rdma::{ClientSession, RdmaNode};
 use libkv::tcp;
-use libkv::verify::{Manifest, VerifiedKv, VerifyError};
+use libkv::verify::{Manifest, VerifyError};
 use libkv::worker::add;
 use log::debug;
 use mio::Waker;
@@ -34,15 +41,6 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-/// Most tokens per `Tokens` frame.
-pub(crate) const TOKENS_PER_FRAME: usize = 8;
-
-/// Longest a generated token waits for the rest of its frame: a model slower than
-/// `TOKENS_PER_FRAME` tokens in this time streams smaller frames, so a client sees each
-/// token about when it exists. The first token always goes out alone, at once (time to
-/// first token).
-const FRAME_INTERVAL: Duration = Duration::from_millis(25);
 
 /// One request's pull, verification and decode.
 #[derive(Debug)]
@@ -493,21 +491,23 @@ pub(crate) struct JobContext {
     pub waker: Arc<Waker>,
 }
 
-/// The job threads: pull threads fed by [`JobPool::submit`], decode threads fed by the pull
-/// threads with what they verified. Dropping it closes the pull channel and joins the pull
-/// threads (each finishes its current pull first), whose senders closing ends the decode
-/// threads once their queue is done; those are joined too.
+/// The job threads: pull threads fed by [`JobPool::submit`], and the batcher fed by the
+/// pull threads with what they verified. Dropping it closes the pull channel and joins the
+/// pull threads (each finishes its current pull first), whose senders closing ends the
+/// batcher once every request it holds is over; it is joined too.
 #[derive(Debug)]
 pub(crate) struct JobPool {
     tx: Option<Sender<Job>>,
     pullers: Vec<JoinHandle<()>>,
-    decoders: Vec<JoinHandle<()>>,
+    batcher: Option<JoinHandle<()>>,
 }
 
 impl JobPool {
+    /// `pull_threads` pull threads and one batcher decoding up to `max_batch` requests
+    /// together.
     pub(crate) fn start(
         pull_threads: usize,
-        decode_threads: usize,
+        max_batch: usize,
         ctx: Arc<JobContext>,
     ) -> io::Result<JobPool> {
         let (tx, rx) = crossbeam::channel::unbounded::<Job>();
@@ -515,19 +515,14 @@ impl JobPool {
         let mut pool = JobPool {
             tx: Some(tx),
             pullers: Vec::with_capacity(pull_threads),
-            decoders: Vec::with_capacity(decode_threads),
+            batcher: None,
         };
-        for i in 0..decode_threads {
-            let (rx, ctx): (Receiver<Decoding>, _) = (decode_rx.clone(), Arc::clone(&ctx));
-            let handle = std::thread::Builder::new()
-                .name(format!("decoded-decode-{i}"))
-                .spawn(move || {
-                    for d in rx {
-                        run_decode(&ctx, d);
-                    }
-                })?;
-            pool.decoders.push(handle);
-        }
+        let batch_ctx = Arc::clone(&ctx);
+        pool.batcher = Some(
+            std::thread::Builder::new()
+                .name("decoded-batch".into())
+                .spawn(move || batch::run(&batch_ctx, max_batch, &decode_rx))?,
+        );
         for i in 0..pull_threads {
             let (rx, ctx): (Receiver<Job>, _) = (rx.clone(), Arc::clone(&ctx));
             let decode_tx = decode_tx.clone();
@@ -558,38 +553,15 @@ impl Drop for JobPool {
         for t in self.pullers.drain(..) {
             let _ = t.join();
         }
-        for t in self.decoders.drain(..) {
+        if let Some(t) = self.batcher.take() {
             let _ = t.join();
         }
     }
 }
 
-/// A job whose pages were pulled and verified, waiting for (or on) a decode thread.
-#[derive(Debug)]
-struct Decoding {
-    owner: Owner,
-    epoch: u64,
-    kv: VerifiedKv,
-    /// Pages the job holds (its whole reservation), freed when it ends.
-    held: u32,
-    prompt_tokens: u32,
-    /// Pages transferred.
-    pages: u32,
-    page_bytes: u64,
-    max_new_tokens: u32,
-    last_token: u32,
-    sampling: Sampling,
-    cancel: Arc<AtomicBool>,
-    since: Instant,
-    decode: Duration,
-    request_deadline: Instant,
-    /// When the pull thread handed it over.
-    queued: Instant,
-}
-
 /// Why a job stopped early.
 #[derive(Debug)]
-enum Stop {
+pub(crate) enum Stop {
     /// Its cancel flag was set (Abort, disconnect, shutdown): nothing to report.
     Cancelled,
     /// It failed: report `Error{code, message}`.
@@ -602,12 +574,12 @@ impl From<libkv::model::ModelError> for Stop {
     }
 }
 
-fn failed(code: ErrorCode, message: String) -> Stop {
+pub(crate) fn failed(code: ErrorCode, message: String) -> Stop {
     Stop::Failed { code, message }
 }
 
 /// What a stage sends about its job: frames for kvctld, encoded, through `ctx`.
-fn emitter(ctx: &JobContext, owner: Owner, epoch: u64) -> impl Fn(Message) + '_ {
+pub(crate) fn emitter(ctx: &JobContext, owner: Owner, epoch: u64) -> impl Fn(Message) + '_ {
     move |msg: Message| match msg.encode(owner.request) {
         Ok(bytes) => {
             let _ = ctx.events.send(JobEvent::Frame { epoch, bytes });
@@ -619,7 +591,13 @@ fn emitter(ctx: &JobContext, owner: Owner, epoch: u64) -> impl Fn(Message) + '_ 
 
 /// The end of a job, whichever stage it ended in: its error, if it failed, then `Ended`.
 /// Everything the job held is dropped by then.
-fn end(ctx: &JobContext, owner: Owner, epoch: u64, pages: u32, result: Result<(), Stop>) {
+pub(crate) fn end(
+    ctx: &JobContext,
+    owner: Owner,
+    epoch: u64,
+    pages: u32,
+    result: Result<(), Stop>,
+) {
     match result {
         Ok(()) => debug!("{owner} done"),
         Err(Stop::Cancelled) => debug!("{owner} cancelled"),
@@ -640,7 +618,7 @@ fn end(ctx: &JobContext, owner: Owner, epoch: u64, pages: u32, result: Result<()
 }
 
 /// The first stage, on a pull thread: pull and verify, then hand the verified KV to the
-/// decode threads (or end the job here).
+/// batcher (or end the job here).
 fn run_pull(ctx: &JobContext, job: Job, decoders: &Sender<Decoding>) {
     let (owner, epoch) = (job.owner, job.epoch);
     let pages = u32::try_from(job.res.pages().len()).unwrap_or(u32::MAX);
@@ -649,7 +627,7 @@ fn run_pull(ctx: &JobContext, job: Job, decoders: &Sender<Decoding>) {
     let result = match pull_and_verify(ctx, job, &emitter(ctx, owner, epoch)) {
         Ok(d) => match decoders.send(d) {
             Ok(()) => return,
-            // The decode threads are gone (stopping): the job ends with its pages.
+            // The batcher is gone (stopping): the job ends with its pages.
             Err(e) => {
                 drop(e.into_inner());
                 Err(Stop::Cancelled)
@@ -660,16 +638,13 @@ fn run_pull(ctx: &JobContext, job: Job, decoders: &Sender<Decoding>) {
     end(ctx, owner, epoch, pages, result);
 }
 
-/// The second stage, on a decode thread.
-fn run_decode(ctx: &JobContext, d: Decoding) {
-    let (owner, epoch) = (d.owner, d.epoch);
-    let pages = d.held;
-    let result = decode(ctx, d, &emitter(ctx, owner, epoch));
-    end(ctx, owner, epoch, pages, result);
-}
-
 /// `Err` when the job was cancelled or `deadline` passed (`what` says which stage).
-fn check(cancel: &AtomicBool, owner: Owner, deadline: Instant, what: &str) -> Result<(), Stop> {
+pub(crate) fn check(
+    cancel: &AtomicBool,
+    owner: Owner,
+    deadline: Instant,
+    what: &str,
+) -> Result<(), Stop> {
     if cancel.load(Ordering::Acquire) {
         Err(Stop::Cancelled)
     } else if Instant::now() >= deadline {
@@ -803,125 +778,59 @@ fn pull_and_verify(ctx: &JobContext, job: Job, emit: &dyn Fn(Message)) -> Result
     })
 }
 
-fn decode(ctx: &JobContext, d: Decoding, emit: &dyn Fn(Message)) -> Result<(), Stop> {
-    let Decoding {
-        owner,
-        mut kv,
-        prompt_tokens,
-        pages,
-        page_bytes,
-        max_new_tokens,
-        last_token,
-        sampling,
-        cancel,
-        since,
-        decode,
-        request_deadline,
-        queued,
-        ..
-    } = d;
-    let counters = &ctx.counters;
-    let waited = queued.elapsed();
-    add(&counters.decode_wait_us, micros(waited));
-    if cancel.load(Ordering::Acquire) {
-        return Err(Stop::Cancelled);
-    }
-    if Instant::now() >= request_deadline {
-        return Err(failed(
-            ErrorCode::Timeout,
-            format!(
-                "{owner} waited {} ms for a decode thread (all were decoding other requests) \
-                 and passed its request deadline",
-                waited.as_millis()
-            ),
-        ));
-    }
-    // The decode deadline counts from the first step, not from the wait for a thread.
-    let decode_deadline = (Instant::now() + decode).min(request_deadline);
-    let model: &dyn ModelRunner = ctx.model.as_ref();
-    let mut batch = Vec::with_capacity(TOKENS_PER_FRAME);
-    let mut first_index = 0u32;
-    let mut last_frame = Instant::now();
-    let output = libkv::model::decode_with(
-        model,
-        &mut kv,
-        prompt_tokens,
-        last_token,
-        max_new_tokens,
-        &sampling,
-        |step, token| {
-            add(&counters.tokens_generated, 1);
-            batch.push(token);
-            if step == 0
-                || batch.len() == TOKENS_PER_FRAME
-                || step + 1 == max_new_tokens
-                || last_frame.elapsed() >= FRAME_INTERVAL
-            {
-                last_frame = Instant::now();
-                let tokens = std::mem::replace(&mut batch, Vec::with_capacity(TOKENS_PER_FRAME));
-                emit(
-                    Tokens {
-                        first_index,
-                        tokens,
-                    }
-                    .into(),
-                );
-                first_index = step + 1;
-            }
-            check(&cancel, owner, decode_deadline, "decode")
-        },
-    )?;
-    if !batch.is_empty() {
-        // The model stopped (end of turn) before max_new_tokens: the last frame is short.
-        emit(
-            Tokens {
-                first_index,
-                tokens: batch,
-            }
-            .into(),
-        );
-    }
-    emit(
-        Done {
-            tokens: u32::try_from(output.tokens.len()).unwrap_or(u32::MAX),
-            signature: output.signature,
-            pages_transferred: pages,
-            bytes_transferred: u64::from(pages) * page_bytes,
-            elapsed_us: u64::try_from(since.elapsed().as_micros()).unwrap_or(u64::MAX),
-            // kvctld fills in who served the request.
-            prefill_worker: String::new(),
-            decode_worker: String::new(),
-        }
-        .into(),
-    );
-    drop(kv);
-    Ok(())
-}
-
 /// `d` in whole microseconds, for the time counters.
-fn micros(d: Duration) -> u64 {
+pub(crate) fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
+/// What the job tests share: a model that records every batched step, and a job pool over
+/// a prefill pool written in the test.
 #[cfg(test)]
-mod tests {
+pub(crate) mod testing {
     use super::*;
     use libkv::PageGeometry;
-    use libkv::model::{KvCache, ModelError, PageWrite, ReferenceModel, tokenize};
+    use libkv::model::{
+        BatchStep, KvCache, ModelError, Output, PageWrite, ReferenceModel, monolithic_paged,
+        tokenize,
+    };
     use libkv::pool::{PagePool, PoolOptions};
+    use libkv::proto::Done;
     use libkv::testkit::owner;
     use libkv::verify::page_digest;
-    use std::io::Read as _;
-    use std::net::TcpListener;
+    use std::collections::HashMap;
 
-    /// The reference model, each decode step slowed to `step` (a model busy computing).
+    /// The reference model, instrumented: every `sample_batch` call is recorded (the
+    /// `(prompt_len, step)` of each request in it) and takes `step` of time (one batched
+    /// forward, however many requests it steps); optionally it stops at a token, and fails
+    /// one request (by prompt length) at one step.
     #[derive(Debug)]
-    struct Slow {
-        inner: ReferenceModel,
-        step: Duration,
+    pub(crate) struct Probe {
+        pub inner: ReferenceModel,
+        pub step: Duration,
+        pub stop: Option<u32>,
+        pub fail: Option<(u32, u32)>,
+        pub calls: Mutex<Vec<Vec<(u32, u32)>>>,
     }
 
-    impl ModelRunner for Slow {
+    impl Probe {
+        pub(crate) fn new(step: Duration) -> Probe {
+            let g = libkv::testkit::test_config("/nonexistent".into()).geometry;
+            Probe {
+                inner: ReferenceModel::new(g).unwrap(),
+                step,
+                stop: None,
+                fail: None,
+                calls: Mutex::new(Vec::new()),
+            }
+        }
+
+        /// Every call so far.
+        pub(crate) fn calls(&self) -> Vec<Vec<(u32, u32)>> {
+            self.calls.lock().unwrap().clone()
+        }
+    }
+
+    impl ModelRunner for Probe {
         fn geometry(&self) -> &PageGeometry {
             self.inner.geometry()
         }
@@ -946,72 +855,135 @@ mod tests {
             step: u32,
             prompt_len: u32,
         ) -> Result<u32, ModelError> {
-            std::thread::sleep(self.step);
+            if self.fail == Some((prompt_len, step)) {
+                return Err(ModelError::Failed(format!("injected at step {step}")));
+            }
             self.inner.step(kv, input, step, prompt_len)
         }
+        fn sample_batch(&self, batch: &mut [BatchStep<'_>]) -> Vec<Result<u32, ModelError>> {
+            let seen = batch.iter().map(|b| (b.prompt_len, b.step)).collect();
+            self.calls.lock().unwrap().push(seen);
+            std::thread::sleep(self.step);
+            batch
+                .iter_mut()
+                .map(|b| self.sample(&mut *b.kv, b.input, b.step, b.prompt_len, b.sampling))
+                .collect()
+        }
+        fn is_stop(&self, token: u32) -> bool {
+            self.stop == Some(token)
+        }
     }
 
-    /// What one job's frames said, in order.
-    fn frames(events: &Receiver<JobEvent>, until: usize) -> Vec<(u64, Message)> {
-        let mut out = Vec::new();
-        let mut ended = 0;
-        while ended < until {
-            match events
-                .recv_timeout(Duration::from_secs(30))
-                .expect("a job event")
-            {
-                JobEvent::Frame { bytes, .. } => {
-                    let (h, m) = libkv::proto::decode_frame(&bytes, 0).expect("frame");
-                    out.push((h.request_id.0, m));
-                }
-                JobEvent::Ended { .. } => ended += 1,
+    /// Something a job sent.
+    #[derive(Debug)]
+    pub(crate) enum Seen {
+        Frame(u64, Message),
+        Ended(u64),
+    }
+
+    /// One request as its frames told it.
+    #[derive(Debug, Default)]
+    pub(crate) struct Told {
+        pub pulled: bool,
+        pub tokens: Vec<u32>,
+        pub frames: Vec<Vec<u32>>,
+        pub done: Option<Done>,
+        pub error: Option<Error>,
+        pub ended: bool,
+    }
+
+    /// A job pool on a [`Probe`], pulling from a prefill pool the test writes.
+    pub(crate) struct Harness {
+        pub model: Arc<Probe>,
+        prefill: PagePool,
+        pub decode: PagePool,
+        source: Arc<dyn PageSource>,
+        pub jobs: Option<JobPool>,
+        events: Receiver<JobEvent>,
+        held: Vec<Reservation>,
+        pub cancels: HashMap<u64, Arc<AtomicBool>>,
+        prompts: HashMap<u64, (Vec<u32>, u32)>,
+        /// Pages each request's decode reservation holds until it ends.
+        holding: HashMap<u64, u32>,
+        pub seen: Vec<Seen>,
+    }
+
+    impl Harness {
+        /// A pool of 2 pull threads and a batcher of `max_batch` on `model`.
+        pub(crate) fn new(model: Probe, max_batch: usize) -> Harness {
+            let g = *model.geometry();
+            let model = Arc::new(model);
+            let prefill = PagePool::host(c"jobtest-prefill", g, 256, PoolOptions::default());
+            let prefill = prefill.unwrap();
+            let decode = PagePool::host(c"jobtest-decode", g, 512, PoolOptions::default());
+            let decode = decode.unwrap();
+            let fd = prefill.memory().share_fd().unwrap();
+            let source: Arc<dyn PageSource> =
+                Arc::new(ForeignPool::map(fd, g.bytes_per_page(), 256).unwrap());
+            let poll = mio::Poll::new().unwrap();
+            let waker = Arc::new(Waker::new(poll.registry(), mio::Token(0)).unwrap());
+            let (events_tx, events) = crossbeam::channel::unbounded();
+            let jobs = JobPool::start(
+                2,
+                max_batch,
+                Arc::new(JobContext {
+                    model: Arc::clone(&model) as Arc<dyn ModelRunner>,
+                    counters: Arc::new(Counters::default()),
+                    events: events_tx,
+                    waker,
+                }),
+            )
+            .unwrap();
+            Harness {
+                model,
+                prefill,
+                decode,
+                source,
+                jobs: Some(jobs),
+                events,
+                held: Vec::new(),
+                cancels: HashMap::new(),
+                prompts: HashMap::new(),
+                holding: HashMap::new(),
+                seen: Vec::new(),
             }
         }
-        out
-    }
 
-    #[test]
-    fn a_pull_does_not_wait_for_the_decodes_that_hold_every_decode_thread() {
-        let g = libkv::testkit::test_config("/nonexistent".into()).geometry;
-        let model = Arc::new(Slow {
-            inner: ReferenceModel::new(g).unwrap(),
-            step: Duration::from_millis(20),
-        });
-        let prefill = PagePool::host(c"jobtest-prefill", g, 64, PoolOptions::default()).unwrap();
-        let decode = PagePool::host(c"jobtest-decode", g, 64, PoolOptions::default()).unwrap();
-        let source: Arc<dyn PageSource> = Arc::new(
-            ForeignPool::map(prefill.memory().share_fd().unwrap(), g.bytes_per_page(), 64).unwrap(),
-        );
-        let poll = mio::Poll::new().unwrap();
-        let waker = Arc::new(Waker::new(poll.registry(), mio::Token(0)).unwrap());
-        let (events_tx, events) = crossbeam::channel::unbounded();
-        let jobs = JobPool::start(
-            2,
-            2,
-            Arc::new(JobContext {
-                model: model.clone(),
-                counters: Arc::new(Counters::default()),
-                events: events_tx,
-                waker,
-            }),
-        )
-        .unwrap();
-        let mut held = Vec::new();
-        let job = |r: u64, max_new: u32, held: &mut Vec<Reservation>| {
-            let prompt = tokenize(format!("request {r} of the queueing test").as_bytes());
+        /// Prefills `prompt` for request `r` and submits its job (request deadline 60 s).
+        pub(crate) fn submit(&mut self, r: u64, prompt: &[u8], max_new: u32) {
+            self.submit_until(r, prompt, max_new, Duration::from_secs(60));
+        }
+
+        /// [`Harness::submit`] with a request deadline `deadline` from now.
+        pub(crate) fn submit_until(
+            &mut self,
+            r: u64,
+            prompt: &[u8],
+            max_new: u32,
+            deadline: Duration,
+        ) {
+            let prompt = tokenize(prompt);
             let n = u32::try_from(prompt.len()).unwrap();
-            let mut pre = prefill.reserve(owner(r), n, u64::from(n)).unwrap();
+            let mut pre = self.prefill.reserve(owner(r), n, u64::from(n)).unwrap();
             let mut grant = pre.grant_write().unwrap();
-            model.inner.prefill(&prompt, &mut grant).unwrap();
+            self.model.inner.prefill(&prompt, &mut grant).unwrap();
             let digests = (0..grant.pages().len())
                 .map(|i| page_digest(grant.page_mut(i).unwrap()))
                 .collect();
             let pages = grant.pages().to_vec();
             drop(grant);
-            held.push(pre);
-            Job {
+            self.held.push(pre);
+            let res = self
+                .decode
+                .reserve(owner(r), n, u64::from(n + max_new))
+                .unwrap();
+            self.holding
+                .insert(r, u32::try_from(res.pages().len()).unwrap());
+            let cancel = Arc::new(AtomicBool::new(false));
+            self.cancels.insert(r, Arc::clone(&cancel));
+            let job = Job {
                 owner: owner(r),
-                res: decode.reserve(owner(r), n, u64::from(n + max_new)).unwrap(),
+                res,
                 manifest: Manifest {
                     owner: owner(r),
                     tokens: n,
@@ -1021,65 +993,172 @@ mod tests {
                 max_new_tokens: max_new,
                 last_token: *prompt.last().unwrap(),
                 sampling: Sampling::GREEDY,
-                cancel: Arc::new(AtomicBool::new(false)),
+                cancel,
                 since: Instant::now(),
                 transfer: Duration::from_secs(1),
                 decode: Duration::from_secs(60),
-                request_deadline: Instant::now() + Duration::from_secs(60),
-                source: Arc::clone(&source),
+                request_deadline: Instant::now() + deadline,
+                source: Arc::clone(&self.source),
                 epoch: 1,
-            }
-        };
-        // Two decodes of 100 steps (2 s each) take both decode threads; the third's pull
-        // must not wait for them: it is done, within its 1 s transfer deadline, while they
-        // still decode, and its decode follows.
-        for r in [1, 2] {
-            jobs.submit(job(r, 100, &mut held)).unwrap();
+            };
+            self.prompts.insert(r, (prompt, max_new));
+            self.jobs.as_ref().unwrap().submit(job).unwrap();
         }
-        let mut seen = Vec::new();
-        let busy = Instant::now();
-        loop {
-            let decoding: std::collections::HashSet<u64> = seen
+
+        /// Waits (at most 30 s) for the next thing a job sends, and keeps it in `seen`. At an
+        /// `Ended`, checks that the job's pages are back on the free list already.
+        pub(crate) fn next(&mut self) -> Option<&Seen> {
+            let event = self.events.recv_timeout(Duration::from_secs(30)).ok()?;
+            let seen = match event {
+                JobEvent::Frame { bytes, .. } => {
+                    let (h, m) = libkv::proto::decode_frame(&bytes, 0).expect("frame");
+                    Seen::Frame(h.request_id.0, m)
+                }
+                JobEvent::Ended { owner, pages, .. } => {
+                    let r = owner.request.0;
+                    assert_eq!(Some(pages), self.holding.remove(&r), "pages of {r}");
+                    let still: u32 = self.holding.values().sum();
+                    let free = self.decode.usage().free;
+                    assert!(
+                        free >= self.decode.pages() - still,
+                        "{r} ended with its pages still held: {free} free, {still} held by \
+                         the others"
+                    );
+                    Seen::Ended(r)
+                }
+            };
+            self.seen.push(seen);
+            self.seen.last()
+        }
+
+        /// Waits until `until` holds of what was seen so far, at most 30 s.
+        pub(crate) fn wait_for(&mut self, until: impl Fn(&HashMap<u64, Told>) -> bool) {
+            let begun = Instant::now();
+            while !until(&self.told()) {
+                assert!(
+                    begun.elapsed() < Duration::from_secs(30),
+                    "not seen in 30 s: {:?}",
+                    self.seen
+                );
+                assert!(
+                    self.next().is_some(),
+                    "no job event in 30 s: {:?}",
+                    self.seen
+                );
+            }
+        }
+
+        /// Waits until every request submitted has ended.
+        pub(crate) fn wait_all_ended(&mut self) -> HashMap<u64, Told> {
+            let all: Vec<u64> = self.prompts.keys().copied().collect();
+            self.wait_for(|t| all.iter().all(|r| t.get(r).is_some_and(|t| t.ended)));
+            self.told()
+        }
+
+        /// Every request's frames, in order, checked for sequence: `PullDone` first, the
+        /// first token alone, each frame's `first_index` the count of tokens before it, at
+        /// most [`batch::TOKENS_PER_FRAME`] per frame, nothing after `Done` or `Error`.
+        pub(crate) fn told(&self) -> HashMap<u64, Told> {
+            let mut told: HashMap<u64, Told> = HashMap::new();
+            for s in &self.seen {
+                let (r, m) = match s {
+                    Seen::Frame(r, m) => (*r, m),
+                    Seen::Ended(r) => {
+                        told.entry(*r).or_default().ended = true;
+                        continue;
+                    }
+                };
+                let t = told.entry(r).or_default();
+                assert!(
+                    t.done.is_none() && t.error.is_none(),
+                    "{r}: {m:?} after its end"
+                );
+                assert!(!t.ended, "{r}: {m:?} after Ended");
+                match m {
+                    Message::PullDone(_) => t.pulled = true,
+                    Message::Tokens(f) => {
+                        assert!(t.pulled, "{r}: tokens before PullDone");
+                        assert_eq!(f.first_index as usize, t.tokens.len(), "{r}");
+                        assert!(!f.tokens.is_empty() && f.tokens.len() <= batch::TOKENS_PER_FRAME);
+                        if t.frames.is_empty() {
+                            assert_eq!(f.tokens.len(), 1, "{r}: the first token goes alone");
+                        }
+                        t.tokens.extend(&f.tokens);
+                        t.frames.push(f.tokens.clone());
+                    }
+                    Message::Done(d) => t.done = Some(d.clone()),
+                    Message::Error(e) => t.error = Some(e.clone()),
+                    other => panic!("{r}: unexpected {other:?}"),
+                }
+            }
+            told
+        }
+
+        /// What decoding request `r` alone gives: `decode_with` over the same model.
+        pub(crate) fn expected(&self, r: u64) -> Output {
+            let (prompt, max_new) = &self.prompts[&r];
+            monolithic_paged(self.model.as_ref(), prompt, *max_new, &Sampling::GREEDY).unwrap()
+        }
+
+        /// Fails unless request `r` finished with exactly the output of decoding it alone.
+        pub(crate) fn assert_alone_output(&self, told: &HashMap<u64, Told>, r: u64) {
+            let t = &told[&r];
+            let want = self.expected(r);
+            let done = t
+                .done
+                .as_ref()
+                .unwrap_or_else(|| panic!("{r} not done: {t:?}"));
+            assert_eq!(t.tokens, want.tokens, "request {r}");
+            assert_eq!(done.tokens as usize, want.tokens.len(), "request {r}");
+            assert_eq!(done.signature, want.signature, "request {r}");
+            assert!(t.error.is_none() && t.ended, "{r}: {t:?}");
+        }
+    }
+
+    impl Drop for Harness {
+        fn drop(&mut self) {
+            drop(self.jobs.take());
+            self.held.clear();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::{Harness, Probe};
+    use super::*;
+    use std::io::Read as _;
+    use std::net::TcpListener;
+
+    #[test]
+    fn a_pull_does_not_wait_for_the_decodes_that_hold_every_batch_slot() {
+        // Two decodes of 100 steps (20 ms each: 2 s) take both batch slots; the third's
+        // pull must not wait for them: it is done, within its 1 s transfer deadline, while
+        // they still decode, and its decode follows once a slot is free.
+        let mut h = Harness::new(Probe::new(Duration::from_millis(20)), 2);
+        h.submit(1, b"request 1 of the queueing test", 100);
+        h.submit(2, b"request 2 of the queueing test!", 100);
+        h.wait_for(|t| {
+            [1, 2]
                 .iter()
-                .filter(|(_, m)| matches!(m, Message::Tokens(_)))
-                .map(|(r, _)| *r)
-                .collect();
-            if decoding.len() == 2 {
-                break;
-            }
-            assert!(
-                busy.elapsed() < Duration::from_secs(10),
-                "the decodes did not start"
-            );
-            if let Ok(JobEvent::Frame { bytes, .. }) =
-                events.recv_timeout(Duration::from_millis(100))
-            {
-                let (h, m) = libkv::proto::decode_frame(&bytes, 0).expect("frame");
-                seen.push((h.request_id.0, m));
-            }
-        }
-        jobs.submit(job(3, 4, &mut held)).unwrap();
-        seen.extend(frames(&events, 3));
-        let at = |want: &dyn Fn(u64, &Message) -> bool| {
-            seen.iter()
-                .position(|(r, m)| want(*r, m))
-                .unwrap_or_else(|| panic!("not seen in {seen:?}"))
-        };
-        let third_pulled = at(&|r, m| r == 3 && matches!(m, Message::PullDone(_)));
-        let first_done = at(&|r, m| r <= 2 && matches!(m, Message::Done(_)));
+                .all(|r| t.get(r).is_some_and(|t| !t.tokens.is_empty()))
+        });
+        h.submit(3, b"request 3, short", 4);
+        h.wait_for(|t| t.get(&3).is_some_and(|t| t.pulled));
+        let told = h.told();
         assert!(
-            third_pulled < first_done,
-            "the third pull waited for a decode to finish: {seen:?}"
+            told[&1].done.is_none() && told[&2].done.is_none(),
+            "the third pull waited for a decode to finish: {:?}",
+            h.seen
         );
+        let told = h.wait_all_ended();
         for r in 1..=3 {
-            assert!(
-                seen.iter()
-                    .any(|(id, m)| *id == r && matches!(m, Message::Done(_))),
-                "request {r} did not finish: {seen:?}"
-            );
+            h.assert_alone_output(&told, r);
         }
-        drop(jobs);
-        drop(held);
+        assert!(
+            h.model.calls().iter().all(|c| c.len() <= 2),
+            "more than max_batch stepped at once"
+        );
     }
 
     /// A connected pair on loopback: (the client's end, the server's end).

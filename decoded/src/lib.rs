@@ -2,11 +2,13 @@
 //!
 //! It owns a page pool on a sealed memfd that never leaves the process. For each request
 //! kvctld sends `DecodeReserve` (decoded reserves prompt + new-token pages), then `PullKv`
-//! with prefill's manifest and the id of the prefill worker that holds the pages: a job thread
-//! copies the named pages out of that worker's pool into the reservation's own pages,
+//! with prefill's manifest and the id of the prefill worker that holds the pages: a pull thread
+//! copies the named pages out of that worker's pool into the reservation's own pages and
 //! verifies them against the manifest's digests ([`libkv::pool::Reservation::verify`], the
-//! only way to read KV), and decodes, streaming `Tokens` and a final `Done`. Pages go back to
-//! the free list when the job ends, and only then is `Freed` reported.
+//! only way to read KV); the batcher then decodes it together with the other verified
+//! requests, up to `[decode] max_batch` at a time (continuous batching, `batch.rs`),
+//! streaming `Tokens` and a final `Done`. Pages go back to the free list when the job ends,
+//! and only then is `Freed` reported.
 //!
 //! kvctld may pair a decode worker with many prefill workers. It tells decoded of each one
 //! under its worker id: `PrefillPool` (shared memory: the pool's read-only memfd, mapped
@@ -21,6 +23,7 @@
 //! connection; jobs send their frames back to it over a channel and wake it with a
 //! `mio::Waker`.
 
+mod batch;
 mod job;
 
 use crossbeam::channel::Receiver;
@@ -45,10 +48,9 @@ use std::time::Instant;
 pub use libkv::worker::{RunOptions, Shutdown, WorkerError};
 
 /// Pull threads: pulls and verification run here, never on the event loop, and never
-/// behind a decode.
+/// behind a decode. Decoding runs on one more thread, the batcher, which steps up to
+/// `[decode] max_batch` verified requests together.
 pub const PULL_THREADS: usize = 2;
-/// Decode threads: each decodes one verified request at a time.
-pub const DECODE_THREADS: usize = 2;
 
 libkv::worker_counters! {
     /// Counters reported in every `PoolReport`, after the link's `frames_received`. Shared
@@ -75,8 +77,16 @@ libkv::worker_counters! {
         /// readings give the split of a transfer (`kvttftbench`).
         pull_us,
         verify_us,
-        /// Time verified requests waited for a decode thread.
+        /// Time verified requests waited for a decode batch slot (from verified to their
+        /// first step, or to leaving without one).
         decode_wait_us,
+        /// Batched decode steps (one `sample_batch` call each) and the requests they
+        /// stepped: `decode_batch_requests / decode_batch_steps` is the mean batch size.
+        decode_batch_steps,
+        decode_batch_requests,
+        /// Microseconds spent in those steps: `decode_step_us / decode_batch_steps` is the
+        /// mean time of one step.
+        decode_step_us,
     }
 }
 
@@ -142,7 +152,7 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
     let (events_tx, events) = crossbeam::channel::unbounded();
     let jobs = JobPool::start(
         PULL_THREADS,
-        DECODE_THREADS,
+        cfg.decode.max_batch() as usize,
         Arc::new(JobContext {
             model,
             counters: Arc::clone(&counters),
@@ -801,7 +811,7 @@ mod tests {
                     tokens: t,
                 }) => {
                     assert_eq!(first_index as usize, tokens.len());
-                    assert!(t.len() <= job::TOKENS_PER_FRAME);
+                    assert!(t.len() <= batch::TOKENS_PER_FRAME);
                     tokens.extend(t);
                 }
                 Message::Done(d) => break d,
