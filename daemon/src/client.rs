@@ -778,6 +778,7 @@ mod tests {
             writing: 0,
             readable: 0,
             draining: 0,
+            max_batch: 0,
         }
     }
 

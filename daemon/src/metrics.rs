@@ -450,6 +450,7 @@ mod tests {
             writing: 0,
             readable: 2,
             draining: 0,
+            max_batch: if role == Role::Decode { 16 } else { 0 },
         }
     }
 

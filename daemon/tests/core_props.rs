@@ -194,6 +194,11 @@ impl Sim {
             transports: vec![Transport::Shm, Transport::Tcp],
             endpoint,
             model: "reference".into(),
+            max_batch: if sw.side == Side::Prefill {
+                0
+            } else {
+                libkv::proto::MAX_BATCH
+            },
         };
         let now = self.now();
         assert!(self.core.register(conn, r, true, now).is_ok());

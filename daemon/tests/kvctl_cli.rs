@@ -38,6 +38,7 @@ fn worker(id: &str, role: Role, connected: bool, drain: bool, in_flight: u32) ->
         writing: 0,
         readable: 0,
         draining: 0,
+        max_batch: if role == Role::Decode { 16 } else { 0 },
     }
 }
 

@@ -1276,6 +1276,20 @@ mod tests {
     }
 
     #[test]
+    fn it_registers_its_batch_slots() {
+        for (set, want) in [(None, libkv::config::DEFAULT_MAX_BATCH), (Some(3), 3)] {
+            let kvctld = FakeKvctld::new();
+            let mut cfg = test_config(kvctld.socket.clone());
+            cfg.decode.max_batch = set;
+            let daemon = start_daemon(cfg.clone());
+            let mut peer = kvctld.accept();
+            let (reg, _) = peer.handshake(&cfg);
+            assert_eq!(reg.max_batch, want, "[decode] max_batch = {set:?}");
+            daemon.stop().unwrap();
+        }
+    }
+
+    #[test]
     fn a_refusal_for_good_ends_run_with_the_config_exit_code() {
         let kvctld = FakeKvctld::new();
         let cfg = test_config(kvctld.socket.clone());

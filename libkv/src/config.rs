@@ -945,8 +945,8 @@ pub struct PoolConfig {
     pub max_batch: Option<u32>,
 }
 
-/// Largest accepted `decode.max_batch`.
-pub const MAX_BATCH: u32 = 256;
+/// Largest accepted `decode.max_batch`: the most batch slots a decode worker may register.
+pub const MAX_BATCH: u32 = crate::proto::MAX_BATCH;
 /// `decode.max_batch` when it is not set.
 pub const DEFAULT_MAX_BATCH: u32 = 16;
 

@@ -276,6 +276,7 @@ mod tests {
                 token: [0; crate::proto::TOKEN_BYTES],
             }),
             model: "reference".into(),
+            max_batch: 0,
         };
         let m = Member::of(&reg);
         assert_eq!(m.role, "prefill");

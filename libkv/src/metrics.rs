@@ -200,6 +200,7 @@ pub struct WorkerSeries {
     context: Family<Labels, Gauge>,
     pages: Family<Labels, Gauge>,
     in_flight: Family<Labels, Gauge>,
+    decode_slots: Family<Labels, Gauge>,
     events: Family<Labels, Counter>,
     verify_failures: Family<Labels, Counter>,
     /// kvctld's ledger only.
@@ -247,6 +248,12 @@ impl WorkerSeries {
                 registry,
                 "kvfence_worker_requests_in_flight",
                 "Requests on the worker now",
+            ),
+            decode_slots: gauge_family(
+                registry,
+                "kvfence_worker_decode_slots",
+                "A decode worker's batch slots ([decode] max_batch): kvctld assigns it no more \
+                 requests at once, so its requests in flight are the slots taken",
             ),
             events: counter_family(
                 registry,
@@ -313,6 +320,12 @@ impl WorkerSeries {
             &self.in_flight.get_or_create(&labels),
             u64::from(w.in_flight),
         );
+        if w.role == Role::Decode && w.max_batch > 0 {
+            set(
+                &self.decode_slots.get_or_create(&labels),
+                u64::from(w.max_batch),
+            );
+        }
         if let Some(lent) = &self.lent {
             set(&lent.get_or_create(&labels), u64::from(w.held_pages));
         }
@@ -390,6 +403,7 @@ mod tests {
             writing: 3,
             readable: 2,
             draining: 1,
+            max_batch: 16,
         }
     }
 
@@ -436,6 +450,7 @@ mod tests {
             get(format!("kvfence_worker_requests_in_flight{{{l}}}")),
             2.0
         );
+        assert_eq!(get(format!("kvfence_worker_decode_slots{{{l}}}")), 16.0);
         assert!(!text.contains("kvfence_worker_lent_pages"), "{text}");
         assert!(!text.contains("kvfence_worker_requests_served"), "{text}");
         assert!(text.contains(r#"kvfence_build_info{version=""#), "{text}");

@@ -259,6 +259,7 @@ pub fn drain_reply(reg: &RegisterWorker) -> DrainReply {
             writing: 0,
             readable: 0,
             draining: 0,
+            max_batch: reg.max_batch,
         },
     }
 }

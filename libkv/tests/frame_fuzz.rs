@@ -76,6 +76,7 @@ fn valid_messages() -> Vec<(Message, usize)> {
         writing: 1,
         readable: 1,
         draining: 1,
+        max_batch: 4,
     };
     let msgs: Vec<Message> = vec![
         Hello::new(Role::Client).into(),
@@ -92,6 +93,7 @@ fn valid_messages() -> Vec<(Message, usize)> {
             transports: vec![Transport::Shm, Transport::Rdma],
             endpoint: None,
             model: "reference".into(),
+            max_batch: 0,
         }
         .into(),
         RegisterWorker {
@@ -102,6 +104,7 @@ fn valid_messages() -> Vec<(Message, usize)> {
             transports: vec![Transport::Tcp],
             endpoint: None,
             model: "reference".into(),
+            max_batch: 4,
         }
         .into(),
         RegisterAck {
@@ -148,6 +151,7 @@ fn valid_messages() -> Vec<(Message, usize)> {
                 WorkerStatus {
                     id: "prefill-0".into(),
                     role: Role::Prefill,
+                    max_batch: 0,
                     ..worker.clone()
                 },
             ],

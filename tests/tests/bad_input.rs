@@ -359,6 +359,7 @@ fn register(id: &str, role: Role, geometry: PageGeometry, pool_pages: u32) -> Re
         transports: vec![Transport::Shm],
         endpoint: None,
         model: "reference".into(),
+        max_batch: if role == Role::Decode { 4 } else { 0 },
     }
 }
 

@@ -531,6 +531,7 @@ impl Core {
             pulls_shm: false,
             pulls_tcp: false,
             model: r.model,
+            max_batch: r.max_batch,
         };
         let key = self.workers.insert(worker);
         self.counters.workers_registered += 1;
@@ -1520,6 +1521,7 @@ impl Core {
                 writing: 0,
                 readable: 0,
                 draining: 0,
+                max_batch: 0,
             });
         }
         workers.truncate(proto::MAX_WORKERS);
@@ -1629,6 +1631,7 @@ fn status_of(w: &Worker, tokens_per_page: u32) -> WorkerStatus {
         writing: r.map_or(0, |r| r.writing),
         readable: r.map_or(0, |r| r.readable),
         draining: r.map_or(0, |r| r.draining),
+        max_batch: w.max_batch,
     }
 }
 
@@ -1754,6 +1757,7 @@ mod tests {
             transports: vec![Transport::Shm, Transport::Tcp],
             endpoint: None,
             model: "reference".into(),
+            max_batch: 0,
         };
         core.register(conn, r, true, Instant::now())
     }
@@ -1850,6 +1854,7 @@ mod tests {
             transports: vec![Transport::Shm, Transport::Tcp],
             endpoint: None,
             model: model.into(),
+            max_batch: 0,
         };
         core.register(conn, r, true, Instant::now())
     }
@@ -1906,6 +1911,7 @@ mod tests {
             transports: vec![Transport::Shm],
             endpoint: None,
             model: "reference".into(),
+            max_batch: 0,
         };
         let Err(Refusal::Misconfigured(msg)) = core.register(10, r, true, Instant::now()) else {
             panic!("a different geometry was accepted");

@@ -60,6 +60,9 @@ pub struct Worker {
     pub(super) pulls_tcp: bool,
     /// The model it runs, as registered.
     pub model: String,
+    /// A decode worker's batch slots (`RegisterWorker::max_batch`): the most requests in
+    /// flight on it at once. 0 on a prefill worker.
+    pub max_batch: u32,
 }
 
 impl Worker {
@@ -383,6 +386,7 @@ mod tests {
             pulls_shm: false,
             pulls_tcp: false,
             model: "reference".into(),
+            max_batch: if side == Side::Decode { 4 } else { 0 },
         }
     }
 

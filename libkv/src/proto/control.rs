@@ -2,7 +2,8 @@
 //! socket (registration, a request's stages, status, drain). The frame layout and the
 //! sequence of a request are in the module docs of [`super`].
 
-use super::{Check, MAX_COUNTER_NAME_BYTES, MAX_COUNTERS, MAX_TOKENS_PER_FRAME, MAX_WORKERS};
+use super::MAX_WORKERS;
+use super::{Check, MAX_BATCH, MAX_COUNTER_NAME_BYTES, MAX_COUNTERS, MAX_TOKENS_PER_FRAME};
 use super::{MAX_TENANT_BYTES, PROTOCOL_VERSION, check_manifest, check_pool, check_prompt};
 use crate::geometry::PageGeometry;
 use crate::ids::{Generation, Owner};
@@ -40,7 +41,8 @@ pub enum Transport {
 pub enum ErrorCode {
     /// Admission refused the request.
     Rejected = 1,
-    /// No pool has room for the request.
+    /// No pool has room for the request, or no decode worker a free batch slot, now or
+    /// within `deadlines.admission_wait`; retrying later may succeed.
     PoolFull = 2,
     /// The request's deadline passed.
     Timeout = 3,
@@ -174,6 +176,10 @@ pub struct RegisterWorker {
     /// The model the worker runs ([`is_valid_model_id`]): kvctld pairs only workers that run
     /// the same one, since KV of one model is meaningless to another of the same geometry.
     pub model: String,
+    /// A decode worker's batch slots: the most requests it decodes at once (`[decode]
+    /// max_batch`), 1 to [`MAX_BATCH`]. kvctld assigns it no more requests at a time; the
+    /// others wait in the admission queue. 0 from a prefill worker.
+    pub max_batch: u32,
 }
 
 impl RegisterWorker {
@@ -184,6 +190,21 @@ impl RegisterWorker {
         check_worker_id(&self.id)?;
         check_model_id(&self.model)?;
         check_pool(&self.geometry, self.pool_pages)?;
+        match self.role {
+            Role::Decode if !(1..=MAX_BATCH).contains(&self.max_batch) => {
+                return Err(format!(
+                    "a decode worker's max_batch is {}, expected 1 to {MAX_BATCH}",
+                    self.max_batch
+                ));
+            }
+            Role::Prefill if self.max_batch != 0 => {
+                return Err(format!(
+                    "a prefill worker's max_batch is {}, expected 0 (it decodes nothing)",
+                    self.max_batch
+                ));
+            }
+            _ => {}
+        }
         if self.transports.is_empty() || self.transports.len() > 3 {
             return Err(format!(
                 "{} transports, expected 1 to 3",
@@ -538,6 +559,10 @@ pub struct WorkerStatus {
     pub readable: u32,
     /// Pages released, waiting for readers to finish.
     pub draining: u32,
+    /// A decode worker's batch slots (its `RegisterWorker::max_batch`): kvctld assigns it at
+    /// most this many requests at once, so `in_flight` of them are taken. 0 for a prefill
+    /// worker, and for a lost one.
+    pub max_batch: u32,
 }
 
 /// The one counter of a lost worker's [`WorkerStatus`]: how many requests in flight on it
@@ -591,6 +616,12 @@ impl WorkerStatus {
                 "worker {}: {} transports",
                 self.id,
                 self.transports.len()
+            ));
+        }
+        if self.max_batch > MAX_BATCH {
+            return Err(format!(
+                "worker {}: max_batch {} exceeds {MAX_BATCH}",
+                self.id, self.max_batch
             ));
         }
         check_counters(&self.counters)

@@ -11,7 +11,7 @@
 //! offset  size  field       value
 //! ------  ----  ----------  ---------------------------------------------------------------
 //!      0     4  magic       0x4346_564B (the bytes "KVFC" on the wire)
-//!      4     2  version     PROTOCOL_VERSION (3)
+//!      4     2  version     PROTOCOL_VERSION (4)
 //!      6     2  msg_type    MsgType; 0 (Invalid) is never valid on the wire
 //!      8     2  flags       all bits reserved, must be 0
 //!     10     2  reserved    must be 0
@@ -113,8 +113,9 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 
 /// `magic` of every frame: the bytes "KVFC" read as a little-endian `u32`.
 pub const MAGIC: u32 = 0x4346_564B;
-/// The only protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 3;
+/// The only protocol version this build speaks. 4: `RegisterWorker` and `WorkerStatus`
+/// carry a decode worker's batch slots (`max_batch`).
+pub const PROTOCOL_VERSION: u16 = 4;
 /// Bytes of the fixed frame header.
 pub const HEADER_LEN: usize = 24;
 /// Largest body a frame may carry (1 MiB). Checked from the header before any allocation.
@@ -138,6 +139,8 @@ pub const MAX_MANIFEST_PAGES: usize = 1 << 16;
 pub const MAX_TOKENS_PER_FRAME: usize = 1 << 16;
 /// Most workers in a `StatusReply`.
 pub const MAX_WORKERS: usize = 1024;
+/// Most batch slots a decode worker registers (`RegisterWorker::max_batch`).
+pub const MAX_BATCH: u32 = 256;
 /// Most counters in a `StatusReply`.
 pub const MAX_COUNTERS: usize = 256;
 /// Longest counter name in a `StatusReply`.

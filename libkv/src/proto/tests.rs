@@ -48,6 +48,7 @@ fn every_message() -> Vec<Message> {
             transports: vec![Transport::Shm, Transport::Rdma],
             endpoint: None,
             model: "reference".into(),
+            max_batch: 0,
         }
         .into(),
         RegisterAck {
@@ -106,6 +107,7 @@ fn every_message() -> Vec<Message> {
                 writing: 1,
                 readable: 2,
                 draining: 1,
+                max_batch: 16,
             }],
             counters: vec![("admitted".into(), 12), ("rejected".into(), 0)],
             transport: Some(Transport::Tcp),
@@ -241,6 +243,7 @@ fn every_message() -> Vec<Message> {
                 writing: 0,
                 readable: 0,
                 draining: 0,
+                max_batch: 0,
             },
         }
         .into(),
@@ -283,7 +286,7 @@ fn header_layout_matches_the_docs() {
         .encode(RequestId(0x1122_3344_5566_7788))
         .unwrap();
     assert_eq!(&frame[0..4], b"KVFC");
-    assert_eq!(&frame[4..6], &[3, 0]);
+    assert_eq!(&frame[4..6], &[4, 0]);
     assert_eq!(&frame[6..8], &[9, 0]);
     assert_eq!(&frame[8..12], &[0, 0, 0, 0]);
     assert_eq!(&frame[12..16], &[0, 0, 0, 0]);
@@ -519,6 +522,7 @@ fn wrong_fd_counts() {
         transports: vec![Transport::Shm],
         endpoint: None,
         model: "reference".into(),
+        max_batch: 4,
     };
     let frame = Message::from(decode.clone()).encode(RequestId(1)).unwrap();
     assert!(decode_frame(&frame, 0).is_ok());
@@ -533,6 +537,7 @@ fn wrong_fd_counts() {
     let prefill = RegisterWorker {
         id: "w-0".into(),
         role: Role::Prefill,
+        max_batch: 0,
         ..decode
     };
     let frame = Message::from(prefill.clone()).encode(RequestId(1)).unwrap();
@@ -670,6 +675,7 @@ fn semantic_limits() {
         transports: vec![Transport::Shm],
         endpoint: None,
         model: "reference".into(),
+        max_batch: 0,
     });
     invalid(RegisterWorker {
         id: "w-0".into(),
@@ -679,6 +685,7 @@ fn semantic_limits() {
         transports: vec![],
         endpoint: None,
         model: "reference".into(),
+        max_batch: 4,
     });
     invalid(RegisterWorker {
         id: "w-0".into(),
@@ -688,6 +695,7 @@ fn semantic_limits() {
         transports: vec![Transport::Tcp, Transport::Tcp],
         endpoint: None,
         model: "reference".into(),
+        max_batch: 4,
     });
     let tcp = RegisterWorker {
         id: "w-0".into(),
@@ -697,17 +705,53 @@ fn semantic_limits() {
         transports: vec![Transport::Tcp],
         endpoint: Some(endpoint()),
         model: "reference".into(),
+        max_batch: 0,
     };
     assert!(Message::from(tcp.clone()).validate().is_ok());
     invalid(RegisterWorker {
         id: "w-0".into(),
         role: Role::Decode,
+        max_batch: 4,
         ..tcp.clone()
     });
     invalid(RegisterWorker {
         transports: vec![Transport::Shm],
         ..tcp.clone()
     });
+    // A decode worker has 1 to MAX_BATCH batch slots; a prefill worker none.
+    let decode = RegisterWorker {
+        role: Role::Decode,
+        transports: vec![Transport::Shm, Transport::Tcp],
+        endpoint: None,
+        max_batch: 1,
+        ..tcp.clone()
+    };
+    assert!(Message::from(decode.clone()).validate().is_ok());
+    for max_batch in [MAX_BATCH, 16] {
+        let ok = RegisterWorker {
+            max_batch,
+            ..decode.clone()
+        };
+        assert!(Message::from(ok).validate().is_ok(), "{max_batch}");
+    }
+    for max_batch in [0, MAX_BATCH + 1, u32::MAX] {
+        let reason = invalid(RegisterWorker {
+            max_batch,
+            ..decode.clone()
+        });
+        assert_eq!(
+            reason,
+            format!("a decode worker's max_batch is {max_batch}, expected 1 to {MAX_BATCH}")
+        );
+    }
+    let reason = invalid(RegisterWorker {
+        max_batch: 1,
+        ..tcp.clone()
+    });
+    assert!(
+        reason.contains("prefill worker's max_batch is 1"),
+        "{reason}"
+    );
     for addr in [
         "0.0.0.0:7470",
         "192.0.2.1:0",
@@ -900,6 +944,7 @@ fn largest_valid_bodies_fit_a_frame() {
                     writing: 0,
                     readable: 0,
                     draining: 0,
+                    max_batch: MAX_BATCH,
                 };
                 MAX_WORKERS
             ],
@@ -940,8 +985,18 @@ fn error_policy() {
     assert_eq!(
         Hello {
             role: Role::Client,
-            min_version: 4,
-            max_version: 5
+            min_version: 5,
+            max_version: 6
+        }
+        .negotiate(),
+        None
+    );
+    // A peer of protocol 3 (no batch slots in RegisterWorker) is told apart at Hello.
+    assert_eq!(
+        Hello {
+            role: Role::Decode,
+            min_version: 3,
+            max_version: 3
         }
         .negotiate(),
         None

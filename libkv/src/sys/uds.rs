@@ -754,6 +754,7 @@ mod tests {
             transports: vec![crate::proto::Transport::Shm],
             endpoint: None,
             model: "reference".into(),
+            max_batch: 0,
         });
         send_frame(&a, &msg.encode(RequestId(0)).unwrap(), &[]).unwrap();
         assert!(matches!(

@@ -423,6 +423,7 @@ impl Link {
             writing: u.writing,
             readable: u.readable,
             draining: u.draining,
+            max_batch: self.register.max_batch,
         };
         board.publish(WorkerSample {
             status,

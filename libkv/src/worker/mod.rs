@@ -377,6 +377,8 @@ pub struct Startup {
     pub waker: Arc<Waker>,
     /// Where the worker's `/metrics` reads its status, when `[metrics] listen` is set.
     pub metrics: Option<Board<WorkerSample>>,
+    /// A decode worker's batch slots (`[decode] max_batch`); 0 for a prefill worker.
+    pub max_batch: u32,
 }
 
 impl Startup {
@@ -466,6 +468,10 @@ impl Startup {
             poll,
             waker,
             metrics,
+            max_batch: match side {
+                Side::Prefill => 0,
+                Side::Decode => pool_cfg.max_batch(),
+            },
         })
     }
 
@@ -494,7 +500,8 @@ impl Startup {
     }
 
     /// The `RegisterWorker` of this worker: its id, role, geometry and pool size, with the
-    /// transports it speaks and (prefilld on TCP or RDMA) its page server.
+    /// transports it speaks, (prefilld on TCP or RDMA) its page server and (decoded) its
+    /// batch slots.
     pub fn registration(
         &self,
         transports: Vec<Transport>,
@@ -511,6 +518,7 @@ impl Startup {
             transports,
             endpoint,
             model: self.model.model_id(),
+            max_batch: self.max_batch,
         }
     }
 }

@@ -118,6 +118,11 @@ fn main() -> ExitCode {
             transports: vec![Transport::Shm, Transport::Tcp],
             endpoint: None,
             model: "reference".into(),
+            max_batch: if role == Role::Decode {
+                libkv::proto::MAX_BATCH
+            } else {
+                0
+            },
         };
         if core.register(conn, r, true, now).is_err() {
             eprintln!("kvcorebench: registration refused");

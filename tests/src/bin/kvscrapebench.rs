@@ -71,6 +71,7 @@ fn status(workers: usize) -> StatusReply {
                 writing: 200,
                 readable: 200,
                 draining: 60,
+                max_batch: 0,
             }
         })
         .collect();

@@ -230,6 +230,7 @@ mod tests {
                     writing: 2,
                     readable: 1,
                     draining: 0,
+                    max_batch: 0,
                 }],
                 counters: vec![
                     ("completed".into(), completed),
