@@ -315,6 +315,13 @@ const COUNTERS: &[CounterDef] = &[
         "Client connections closed for being idle",
         None,
     ),
+    (
+        "slot_timeouts",
+        "kvfence_decode_slot_timeouts",
+        "Queued requests that failed at a deadline while they waited only for a decode batch \
+         slot (also counted as failures by reason timeout)",
+        None,
+    ),
 ];
 
 /// kvctld's gauges: status name, metric name, help.
@@ -333,6 +340,16 @@ const GAUGES: &[(&str, &str, &str)] = &[
         "connections",
         "kvfence_connections",
         "Connections open to kvctld",
+    ),
+    (
+        "decode_slots",
+        "kvfence_decode_slots",
+        "Batch slots of the registered decode workers (each its [decode] max_batch)",
+    ),
+    (
+        "decode_slots_used",
+        "kvfence_decode_slots_used",
+        "Decode batch slots taken: requests assigned to a decode worker and not ended",
     ),
 ];
 
@@ -471,6 +488,9 @@ mod tests {
                 ("timeouts".into(), 0),
                 ("in_flight".into(), 1),
                 ("probe_mismatches".into(), 0),
+                ("decode_slots".into(), 16),
+                ("decode_slots_used".into(), 1),
+                ("slot_timeouts".into(), 3),
             ],
             transport: Some(Transport::Shm),
             model: None,
@@ -504,6 +524,17 @@ mod tests {
             0.0
         );
         assert_eq!(get("kvfence_requests_in_flight"), 1.0);
+        assert_eq!(get("kvfence_decode_slots"), 16.0);
+        assert_eq!(get("kvfence_decode_slots_used"), 1.0);
+        assert_eq!(get("kvfence_decode_slot_timeouts_total"), 3.0);
+        assert_eq!(
+            get(r#"kvfence_worker_decode_slots{worker="decode-0",role="decode"}"#),
+            16.0
+        );
+        assert!(
+            !text.contains(r#"kvfence_worker_decode_slots{worker="prefill-0""#),
+            "a prefill worker has no decode slots"
+        );
         assert_eq!(get("kvfence_max_context_tokens"), 4096.0);
         let p = r#"worker="prefill-0",role="prefill""#;
         let d = r#"worker="decode-0",role="decode""#;

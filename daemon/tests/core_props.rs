@@ -6,7 +6,8 @@
 //! and come back under their id, drained and undrained, clients vanish, time jumps. After
 //! every step, and once everything has settled, the invariants must hold:
 //!
-//! - no worker ever reserves more pages than its pool holds (admission never over-commits);
+//! - no worker ever reserves more pages than its pool holds (admission never over-commits),
+//!   and no decode worker has more requests in flight than its batch slots;
 //! - a rejected request never reaches a worker;
 //! - every worker's ledger equals its pool minus what live requests and unreported frees
 //!   hold, and once all is settled every pool is whole again (no page is lost);
@@ -75,6 +76,8 @@ struct SimWorker {
     id: String,
     side: Side,
     pool: u32,
+    /// A decode worker's batch slots (1 to 4, so that they often bind); 0 on prefill.
+    slots: u32,
     tcp: bool,
     conn: Option<usize>,
     used: u32,
@@ -141,6 +144,11 @@ impl Sim {
                 id: format!("{}-{i}", if side == Side::Prefill { "p" } else { "d" }),
                 side,
                 pool: min + extra,
+                slots: if side == Side::Decode {
+                    1 + extra % 4
+                } else {
+                    0
+                },
                 tcp,
                 conn: None,
                 used: 0,
@@ -194,11 +202,7 @@ impl Sim {
             transports: vec![Transport::Shm, Transport::Tcp],
             endpoint,
             model: "reference".into(),
-            max_batch: if sw.side == Side::Prefill {
-                0
-            } else {
-                libkv::proto::MAX_BATCH
-            },
+            max_batch: sw.slots,
         };
         let now = self.now();
         assert!(self.core.register(conn, r, true, now).is_ok());

@@ -13,9 +13,12 @@
 //!
 //! 1. `Submit`: the static checks of [`admission::need`]; a request that can never fit is
 //!    answered `Rejected` here and no worker ever hears of it (invariant 1).
-//! 2. Admission: a (prefill, decode) pair whose ledgers both hold the request now, by the
-//!    configured [`Pairing`]; both ledgers are charged or neither (invariant 2). Otherwise
-//!    the request waits, FIFO and bounded by `admission_queue` and `admission_wait`.
+//! 2. Admission: a (prefill, decode) pair whose ledgers both hold the request now, the
+//!    decode worker with a free batch slot (its `max_batch` requests not ended), by the
+//!    configured [`Pairing`]; both ledgers are charged or neither (invariant 2), and the
+//!    request holds its decode slot until it ends. Otherwise the request waits, FIFO and
+//!    bounded by `admission_queue` and `admission_wait`; one that waited out
+//!    `admission_wait` only for a slot fails saying so (`PoolFull`, as a wait for pages).
 //! 3. `DecodeReserve` to the decode worker, `PrefillRun` to the prefill worker once decode
 //!    has reserved, `PullKv` naming the prefill worker once its manifest is in, `Release` to
 //!    prefill once decode verified the pages, then `Tokens` and `Done` to the client.
@@ -163,6 +166,9 @@ pub struct Counters {
     pub workers_registered: u64,
     pub workers_lost: u64,
     pub registrations_refused: u64,
+    /// Queued requests that failed at a deadline (`admission_wait`, or their own) while
+    /// they waited only for a decode batch slot (also counted in `timeouts`).
+    pub slot_timeouts: u64,
 }
 
 impl Counters {
@@ -216,6 +222,7 @@ impl Counters {
             ("workers_registered", self.workers_registered),
             ("workers_lost", self.workers_lost),
             ("registrations_refused", self.registrations_refused),
+            ("slot_timeouts", self.slot_timeouts),
         ]
         .into_iter()
         .map(|(n, v)| (n.to_owned(), v))
@@ -1021,6 +1028,8 @@ impl Core {
         self.counters.completed += 1;
         self.send(r.client, id, d);
         self.after_end(r.pair);
+        // Its decode slot is free (its pages come back with the worker's Freed).
+        self.try_admit(now);
     }
 
     fn freed(&mut self, key: WorkerKey, f: &Freed, now: Instant) {
@@ -1237,9 +1246,14 @@ impl Core {
     /// Admits queued requests in order while a pair has room for the one at the head.
     fn try_admit(&mut self, now: Instant) {
         while let Some(&id) = self.queue.front() {
-            if !self.requests.contains_key(&id) {
-                self.queue.pop_front();
-                continue;
+            match self.requests.get(&id) {
+                None => {
+                    self.queue.pop_front();
+                    continue;
+                }
+                // Past its own deadline: the tick ends it; it is not let in to be aborted.
+                Some(r) if now >= r.deadline => return,
+                Some(_) => {}
             }
             if !self.admit(id, now) {
                 return;
@@ -1383,23 +1397,49 @@ impl Core {
 
     /// Ends what passed its deadline by `now`.
     pub fn tick(&mut self, now: Instant) {
-        let due: Vec<(RequestId, Stage, Duration, bool)> = self
+        let due: Vec<RequestId> = self
             .requests
             .iter()
             .filter(|(_, r)| now >= r.stage_deadline || now >= r.deadline)
-            .map(|(id, r)| (*id, r.stage, r.stage_budget, now >= r.deadline))
+            .map(|(id, _)| *id)
             .collect();
-        for (id, stage, budget, whole) in due {
+        for id in due {
+            // An earlier one's end may have let this one in (its slot, its pages) just as
+            // its admission wait ran out: it is in the next stage now, with a deadline of
+            // its own ahead. (A request past its own deadline is never let in.)
+            let Some((stage, budget, whole)) = self
+                .requests
+                .get(&id)
+                .filter(|r| now >= r.stage_deadline || now >= r.deadline)
+                .map(|r| (r.stage, r.stage_budget, now >= r.deadline))
+            else {
+                continue;
+            };
             self.counters.timeouts += 1;
             let ms = budget.as_millis();
+            // Queued while a pair has the pages: the request waits for a decode slot.
+            let for_slot = stage == Stage::Queued
+                && self.requests.get(&id).is_some_and(|r| {
+                    let n = r.need;
+                    self.workers.waits_for_slot(n.prefill_pages, n.decode_pages)
+                });
+            if for_slot {
+                self.counters.slot_timeouts += 1;
+            }
             let (code, msg) = match (stage, whole) {
                 (_, true) => (
                     ErrorCode::Timeout,
                     format!(
-                        "request deadline of {} ms exceeded in {} (the client's deadline, at \
+                        "request deadline of {} ms exceeded in {}{} (the client's deadline, at \
                          most deadlines.request)",
                         self.requests.get(&id).map_or(0, |r| r.total.as_millis()),
-                        stage.name()
+                        stage.name(),
+                        if for_slot {
+                            ", waiting for a decode slot: every decode worker with room for \
+                             its pages was decoding its max_batch requests"
+                        } else {
+                            ""
+                        }
                     ),
                 ),
                 (Stage::Queued, false) if !self.workers.can_serve_later() => (
@@ -1407,6 +1447,14 @@ impl Core {
                     format!(
                         "no undrained prefill and decode workers registered within {ms} ms \
                          (deadlines.admission_wait)"
+                    ),
+                ),
+                (Stage::Queued, false) if for_slot => (
+                    ErrorCode::PoolFull,
+                    format!(
+                        "no decode slot within {ms} ms (deadlines.admission_wait): every \
+                         decode worker with room for its pages was decoding its max_batch \
+                         requests"
                     ),
                 ),
                 (Stage::Queued, false) => (
@@ -1528,6 +1576,9 @@ impl Core {
         let mut counters = self.counters.list();
         counters.push(("in_flight".into(), self.requests.len() as u64));
         counters.push(("queue_len".into(), self.queue.len() as u64));
+        let (slots, used) = self.workers.decode_slots();
+        counters.push(("decode_slots".into(), slots));
+        counters.push(("decode_slots_used".into(), used));
         for (name, q) in [
             ("bootstrap_rtt_p50_us", 0.5),
             ("bootstrap_rtt_p99_us", 0.99),
@@ -1669,6 +1720,12 @@ impl Core {
                         w.id, w.in_flight
                     ));
                 }
+                if side == Side::Decode && w.in_flight > w.max_batch {
+                    return Err(format!(
+                        "decode worker {}: {} requests in flight, {} batch slots",
+                        w.id, w.in_flight, w.max_batch
+                    ));
+                }
             }
         }
         Ok(())
@@ -1742,12 +1799,31 @@ mod tests {
 
     const CLIENT: ConnId = 1;
 
+    /// The batch slots of a decode worker the tests register: more than any test runs at
+    /// once, except those of slots, which register their own.
+    const SLOTS: u32 = 64;
+
+    fn slots(role: Role) -> u32 {
+        if role == Role::Decode { SLOTS } else { 0 }
+    }
+
     fn register(
         core: &mut Core,
         conn: ConnId,
         id: &str,
         role: Role,
         pages: u32,
+    ) -> Result<WorkerKey, Refusal> {
+        register_slots(core, conn, id, role, pages, slots(role))
+    }
+
+    fn register_slots(
+        core: &mut Core,
+        conn: ConnId,
+        id: &str,
+        role: Role,
+        pages: u32,
+        max_batch: u32,
     ) -> Result<WorkerKey, Refusal> {
         let r = RegisterWorker {
             id: id.into(),
@@ -1757,7 +1833,7 @@ mod tests {
             transports: vec![Transport::Shm, Transport::Tcp],
             endpoint: None,
             model: "reference".into(),
-            max_batch: 0,
+            max_batch,
         };
         core.register(conn, r, true, Instant::now())
     }
@@ -1854,7 +1930,7 @@ mod tests {
             transports: vec![Transport::Shm, Transport::Tcp],
             endpoint: None,
             model: model.into(),
-            max_batch: 0,
+            max_batch: slots(role),
         };
         core.register(conn, r, true, Instant::now())
     }
@@ -2049,6 +2125,130 @@ mod tests {
                 .iter()
                 .any(|m| matches!(m, Message::DrainReply(r) if r.worker.idle())),
             "{last:?}"
+        );
+        core.check_ledgers().unwrap();
+    }
+
+    /// Counter `name` of kvctld's status.
+    fn status_counter(core: &Core, name: &str) -> Option<u64> {
+        let s = core.status(&[]);
+        s.counters.iter().find(|(n, _)| n == name).map(|(_, v)| *v)
+    }
+
+    #[test]
+    fn a_decode_worker_takes_no_more_requests_than_its_slots() {
+        let mut cfg = config(64);
+        let long = Duration::from_secs(10);
+        cfg.deadlines.bootstrap = long;
+        cfg.deadlines.prefill = long;
+        cfg.deadlines.transfer = long;
+        cfg.deadlines.decode = long;
+        cfg.deadlines.request = 2 * long;
+        let mut core = Core::new(cfg, Generation(1));
+        register(&mut core, 10, "p0", Role::Prefill, 40).unwrap();
+        register_slots(&mut core, 20, "d0", Role::Decode, 60, 2).unwrap();
+        core.take_actions();
+        for _ in 0..3 {
+            submit(&mut core, 16, 16);
+        }
+        // Pages for all three, slots for two: the third waits.
+        let actions = core.take_actions();
+        let reserves: Vec<Owner> = sent_to(&actions, 20)
+            .into_iter()
+            .filter_map(|m| match m {
+                Message::DecodeReserve(r) => Some(r.owner),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(reserves.len(), 2, "{actions:?}");
+        assert_eq!(core.queue_len(), 1);
+        assert_eq!(status_counter(&core, "decode_slots"), Some(2));
+        assert_eq!(status_counter(&core, "decode_slots_used"), Some(2));
+        let d0 = core.status(&[]).workers.into_iter().find(|w| w.id == "d0");
+        assert_eq!(d0.map(|w| (w.max_batch, w.in_flight)), Some((2, 2)));
+        core.check_ledgers().unwrap();
+
+        // The first one runs to its end: its slot lets the third in, before any Freed.
+        let a = reserves[0];
+        let now = Instant::now();
+        let reserved = DecodeReserved { owner: a, pages: 2 };
+        core.worker_frame(20, a.request, reserved.into(), now);
+        let manifest = libkv::verify::Manifest {
+            owner: a,
+            tokens: 16,
+            pages: vec![libkv::PageId(0)],
+            digests: vec![0],
+        };
+        core.worker_frame(10, a.request, PrefillDone { manifest }.into(), now);
+        core.worker_frame(20, a.request, proto::PullDone { owner: a }.into(), now);
+        core.take_actions();
+        let done = Done {
+            tokens: 16,
+            signature: 1,
+            pages_transferred: 1,
+            bytes_transferred: 1,
+            elapsed_us: 1,
+            prefill_worker: String::new(),
+            decode_worker: String::new(),
+        };
+        core.worker_frame(20, a.request, done.into(), now);
+        let after = core.take_actions();
+        assert!(
+            sent_to(&after, CLIENT)
+                .iter()
+                .any(|m| matches!(m, Message::Done(_)))
+        );
+        assert!(
+            sent_to(&after, 20)
+                .iter()
+                .any(|m| matches!(m, Message::DecodeReserve(_))),
+            "the waiting request was not admitted on the freed slot: {after:?}"
+        );
+        assert_eq!(core.queue_len(), 0);
+        assert_eq!(status_counter(&core, "decode_slots_used"), Some(2));
+
+        // A fourth one finds both slots taken, pages free: past admission_wait it fails
+        // saying it waited for a decode slot; the others go on.
+        submit(&mut core, 16, 16);
+        assert!(sent_to(&core.take_actions(), 20).is_empty());
+        core.tick(Instant::now() + Duration::from_millis(150));
+        let e = client_error(&core.take_actions()).expect("the fourth fails");
+        assert_eq!(e.code, ErrorCode::PoolFull);
+        assert_eq!(
+            e.message,
+            "no decode slot within 100 ms (deadlines.admission_wait): every decode worker with \
+             room for its pages was decoding its max_batch requests"
+        );
+        assert_eq!(core.in_flight(), 2);
+        assert_eq!(status_counter(&core, "slot_timeouts"), Some(1));
+        core.check_ledgers().unwrap();
+    }
+
+    #[test]
+    fn a_request_let_in_while_deadlines_are_handled_is_not_failed_for_its_old_stage() {
+        let mut core = Core::new(config(64), Generation(1));
+        register(&mut core, 10, "p0", Role::Prefill, 40).unwrap();
+        register_slots(&mut core, 20, "d0", Role::Decode, 60, 1).unwrap();
+        core.take_actions();
+        submit(&mut core, 16, 16);
+        submit(&mut core, 16, 16);
+        core.take_actions();
+        // At one tick the first passes its bootstrap deadline and the second its admission
+        // wait: if the first ends first, its slot lets the second in, which then is not
+        // failed for a wait it no longer has.
+        core.tick(Instant::now() + Duration::from_millis(150));
+        let actions = core.take_actions();
+        let errors = sent_to(&actions, CLIENT)
+            .into_iter()
+            .filter(|m| matches!(m, Message::Error(_)))
+            .count();
+        let admitted = sent_to(&actions, 20)
+            .iter()
+            .any(|m| matches!(m, Message::DecodeReserve(_)));
+        assert_eq!(
+            errors + usize::from(admitted),
+            2,
+            "each ended or started: {actions:?}"
         );
         core.check_ledgers().unwrap();
     }

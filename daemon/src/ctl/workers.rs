@@ -6,7 +6,9 @@
 //! registers later in the same slot. The ledger of a worker counts the pages kvctld may
 //! still lend against its pool: a request takes pages at admission and they come back only
 //! when the worker reports them `Freed` (no writer left), or when the worker is lost (its
-//! pages went with its process).
+//! pages went with its process). A decode worker also has batch slots (`max_batch`, as it
+//! registered): a request takes one at admission and gives it back when it ends, and a
+//! worker whose slots are all taken is not picked, however many pages it has free.
 
 use libkv::admission::Side;
 use libkv::config::Pairing;
@@ -74,6 +76,12 @@ impl Worker {
     /// Pages lent against its pool and not yet reported free.
     pub fn held_pages(&self) -> u32 {
         self.pool_pages - self.free
+    }
+
+    /// Whether it can take one more request: a prefill worker always (its pages are its only
+    /// bound), a decode worker while a batch slot is free.
+    pub fn has_slot(&self) -> bool {
+        self.side == Side::Prefill || self.in_flight < self.max_batch
     }
 
     /// Whether a decode worker can pull from this prefill worker's pool.
@@ -267,8 +275,38 @@ impl Workers {
         })
     }
 
+    /// Whether a request of `prefill_pages` and `decode_pages` waits only for a decode
+    /// slot: some undrained pair has the pages for it now, but every such decode worker has
+    /// all its slots taken.
+    pub fn waits_for_slot(&self, prefill_pages: u32, decode_pages: u32) -> bool {
+        let mut fits = false;
+        for (_, p) in self.iter(Side::Prefill) {
+            if p.drain || p.free < prefill_pages {
+                continue;
+            }
+            for (_, d) in self.iter(Side::Decode) {
+                if d.drain || d.free < decode_pages || !p.serves(d) {
+                    continue;
+                }
+                if d.has_slot() {
+                    return false;
+                }
+                fits = true;
+            }
+        }
+        fits
+    }
+
+    /// Decode batch slots of the live decode workers, and how many of them are taken.
+    pub fn decode_slots(&self) -> (u64, u64) {
+        self.iter(Side::Decode).fold((0, 0), |(all, used), (_, d)| {
+            (all + u64::from(d.max_batch), used + u64::from(d.in_flight))
+        })
+    }
+
     /// Picks a prefill and a decode worker that can hold `prefill_pages` and `decode_pages`
-    /// now, by the pairing policy, and takes the pages from both ledgers; or takes nothing.
+    /// now (the decode worker with a free batch slot), by the pairing policy, and takes the
+    /// pages from both ledgers and a slot of the decode worker; or takes nothing.
     pub fn pair(
         &mut self,
         prefill_pages: u32,
@@ -289,7 +327,7 @@ impl Workers {
     }
 
     fn eligible(&self, w: &Worker, pages: u32, source: Option<&Worker>) -> bool {
-        !w.drain && w.free >= pages && source.is_none_or(|p| p.serves(w))
+        !w.drain && w.free >= pages && w.has_slot() && source.is_none_or(|p| p.serves(w))
     }
 
     /// The pairing policy's order: the eligible worker with the highest score is picked.
@@ -419,5 +457,41 @@ mod tests {
         let w = workers.get(key).unwrap();
         assert!(w.drain && w.operator_drain, "the operator's drain was lost");
         assert_eq!(workers.pair(1, 1), None, "a drained worker was paired");
+    }
+
+    /// Slots bound a decode worker as pages do: a full one is passed over for one with a
+    /// free slot, and with none free nothing is paired, and the wait is said to be for a
+    /// slot only while the pages would fit.
+    #[test]
+    fn a_decode_worker_with_every_slot_taken_is_not_picked() {
+        let mut workers = Workers::new(Pairing::MostFree, 1);
+        workers.insert(worker("p0", Side::Prefill, 10));
+        let mut big = worker("d0", Side::Decode, 1);
+        big.pool_pages = 100;
+        big.free = 100;
+        big.max_batch = 2;
+        let d0 = workers.insert(big);
+        let d1 = workers.insert(worker("d1", Side::Decode, 2));
+        // d0 has the most pages free: picked until its two slots are taken.
+        for _ in 0..2 {
+            assert_eq!(workers.pair(1, 1).map(|(_, d)| d), Some(d0));
+        }
+        assert_eq!(workers.decode_slots(), (6, 2));
+        assert!(!workers.waits_for_slot(1, 1));
+        for _ in 0..4 {
+            assert_eq!(workers.pair(1, 1).map(|(_, d)| d), Some(d1));
+        }
+        assert_eq!(workers.decode_slots(), (6, 6));
+        assert!(
+            workers.waits_for_slot(1, 1),
+            "pages fit, every slot is taken"
+        );
+        assert!(
+            !workers.waits_for_slot(1, 200),
+            "no decode worker has the pages: not a wait for a slot"
+        );
+        assert_eq!(workers.pair(1, 1), None, "a full decode worker was paired");
+        workers.get_mut(d1).unwrap().in_flight -= 1;
+        assert_eq!(workers.pair(1, 1).map(|(_, d)| d), Some(d1));
     }
 }

@@ -49,6 +49,7 @@
 //! kvctl                 kvctld                         decoded               prefilld
 //!   | Submit (id 0) ---->|                                |                      |
 //!   |                    | admission: need() + ledger, both pools or neither;    |
+//!   |                    |   a decode slot (RegisterWorker.max_batch) free;      |
 //!   |<-- Error(Rejected) |   a rejected request ends here: no worker hears of it |
 //!   |                    |-- DecodeReserve(owner) ------->|                      |
 //!   |                    |<--------- DecodeReserved ------|                      |
