@@ -211,6 +211,11 @@ fn status_lists_every_worker_with_its_state() {
     assert!(line("decode-0").contains(" disconnected "), "{text}");
     assert!(line(STUCK).contains(" draining "), "{text}");
     assert!(line("prefill-1").contains("shm,tcp"), "{text}");
+    // A decode worker's batch slots, taken of its max_batch; none for prefill or the lost.
+    let slots = |id: &str| line(id).split_whitespace().nth(6).unwrap().to_owned();
+    assert_eq!(slots(STUCK), "1/16", "{text}");
+    assert_eq!(slots("prefill-1"), "-", "{text}");
+    assert_eq!(slots("decode-0"), "-", "{text}");
     // prefill first, ids in numeric order
     let order: Vec<usize> = ["prefill-1", "prefill-10", "decode-0", STUCK]
         .iter()
@@ -240,6 +245,10 @@ fn status_lists_every_worker_with_its_state() {
     assert_eq!(workers[2]["connected"], false);
     assert_eq!(workers[3]["drain"], true);
     assert_eq!(workers[3]["safe_to_stop"], false);
+    assert_eq!(workers[3]["slots"], 16);
+    assert_eq!(workers[3]["slots_used"], 1);
+    assert_eq!(workers[0]["slots"], serde_json::Value::Null);
+    assert_eq!(workers[2]["slots_used"], serde_json::Value::Null);
     assert_eq!(v["counters"]["admitted"], 42);
 }
 

@@ -621,6 +621,12 @@ fn capacity_tokens(w: &WorkerStatus) -> u64 {
     u64::from(w.pool_pages) * u64::from(w.tokens_per_page)
 }
 
+/// A connected decode worker's batch slots: (taken, all). kvctld assigns it at most
+/// `max_batch` requests at once, so its requests in flight are the slots taken.
+fn decode_slots(w: &WorkerStatus) -> Option<(u32, u32)> {
+    (w.role == Role::Decode && w.connected && w.max_batch > 0).then_some((w.in_flight, w.max_batch))
+}
+
 fn transport_name(t: Transport) -> &'static str {
     match t {
         Transport::Shm => "shm",
@@ -707,6 +713,8 @@ fn worker_json(s: &StatusReply, w: &WorkerStatus) -> serde_json::Value {
         "safe_to_stop": w.safe_to_stop(),
         "state": worker_state(w),
         "in_flight": w.in_flight,
+        "slots": decode_slots(w).map(|(_, all)| all),
+        "slots_used": decode_slots(w).map(|(used, _)| used),
         "held_pages": w.held_pages,
         "served": w.served,
         "transports": transports(w),
@@ -906,13 +914,14 @@ fn id_width(workers: &[&WorkerStatus]) -> usize {
 fn print_workers(s: &StatusReply, workers: &[&WorkerStatus], verbose: bool) {
     let idw = id_width(workers);
     outln!(
-        "{:<idw$}  {:<7}  {:<4}  {:<5}  {:<12}  {:>6}  {:>6}  {:>7}  {:>9}  {:>7}  {:<12}  {:>4}",
+        "{:<idw$}  {:<7}  {:<4}  {:<5}  {:<12}  {:>6}  {:>7}  {:>6}  {:>7}  {:>9}  {:>7}  {:<12}  {:>4}",
         "worker",
         "role",
         "conn",
         "drain",
         "state",
         "flight",
+        "slots",
         "held",
         "pages",
         "tokens",
@@ -923,14 +932,16 @@ fn print_workers(s: &StatusReply, workers: &[&WorkerStatus], verbose: bool) {
     let yes_no = |b: bool| if b { "yes" } else { "no" };
     for w in workers {
         let need = request_tokens(s, w.role);
+        let slots = decode_slots(w).map_or_else(|| "-".to_owned(), |(u, n)| format!("{u}/{n}"));
         outln!(
-            "{:<idw$}  {:<7}  {:<4}  {:<5}  {:<12}  {:>6}  {:>6}  {:>7}  {:>9}  {:>7}  {:<12}  {:>4}",
+            "{:<idw$}  {:<7}  {:<4}  {:<5}  {:<12}  {:>6}  {:>7}  {:>6}  {:>7}  {:>9}  {:>7}  {:<12}  {:>4}",
             w.id,
             role_name(w.role),
             yes_no(w.connected),
             yes_no(w.drain),
             worker_state(w),
             w.in_flight,
+            slots,
             w.held_pages,
             w.pool_pages,
             capacity_tokens(w),
@@ -940,7 +951,9 @@ fn print_workers(s: &StatusReply, workers: &[&WorkerStatus], verbose: bool) {
         );
     }
     outln!(
-        "flight: requests in flight; held: pages lent against the pool; tokens: pages x {}",
+        "flight: requests in flight; slots: a decode worker's batch slots taken of its \
+         max_batch (no more requests are assigned to it at once); held: pages lent against \
+         the pool; tokens: pages x {}",
         workers.first().map_or(0, |w| w.tokens_per_page)
     );
     outln!(

@@ -129,7 +129,7 @@ pub(crate) fn frame(last: Option<&Reading>, now: &Reading, interval: Duration) -
         ),
         format!(
             "requests/s: submitted {}  completed {}  failed {}  rejected {}  pool full {}   \
-             in flight {}  queued {}",
+             in flight {}  queued {}  decode slots {}/{}",
             r("submitted"),
             r("completed"),
             r("failed"),
@@ -137,6 +137,8 @@ pub(crate) fn frame(last: Option<&Reading>, now: &Reading, interval: Duration) -
             r("refused_full"),
             counter("in_flight"),
             counter("queue_len"),
+            counter("decode_slots_used"),
+            counter("decode_slots"),
         ),
         format!(
             "transfers/s: {}  pages/s {}  MB/s {}   verify failures: {}  probe mismatches: {}",
