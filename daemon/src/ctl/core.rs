@@ -1397,13 +1397,20 @@ impl Core {
 
     /// Ends what passed its deadline by `now`.
     pub fn tick(&mut self, now: Instant) {
-        let due: Vec<RequestId> = self
+        // Whether each queued one waited for a decode slot is read now, before any of them
+        // ends: requests that ended at this tick free slots they did not wait for.
+        let due: Vec<(RequestId, bool)> = self
             .requests
             .iter()
             .filter(|(_, r)| now >= r.stage_deadline || now >= r.deadline)
-            .map(|(id, _)| *id)
+            .map(|(id, r)| {
+                let n = r.need;
+                let for_slot = r.stage == Stage::Queued
+                    && self.workers.waits_for_slot(n.prefill_pages, n.decode_pages);
+                (*id, for_slot)
+            })
             .collect();
-        for id in due {
+        for (id, for_slot) in due {
             // An earlier one's end may have let this one in (its slot, its pages) just as
             // its admission wait ran out: it is in the next stage now, with a deadline of
             // its own ahead. (A request past its own deadline is never let in.)
@@ -1417,12 +1424,8 @@ impl Core {
             };
             self.counters.timeouts += 1;
             let ms = budget.as_millis();
-            // Queued while a pair has the pages: the request waits for a decode slot.
-            let for_slot = stage == Stage::Queued
-                && self.requests.get(&id).is_some_and(|r| {
-                    let n = r.need;
-                    self.workers.waits_for_slot(n.prefill_pages, n.decode_pages)
-                });
+            // Queued while a pair had the pages: the request waited for a decode slot.
+            let for_slot = for_slot && stage == Stage::Queued;
             if for_slot {
                 self.counters.slot_timeouts += 1;
             }
@@ -2250,6 +2253,40 @@ mod tests {
             2,
             "each ended or started: {actions:?}"
         );
+        core.check_ledgers().unwrap();
+    }
+
+    #[test]
+    fn requests_that_end_at_one_tick_say_what_each_waited_for() {
+        let mut core = Core::new(config(64), Generation(1));
+        register(&mut core, 10, "p0", Role::Prefill, 40).unwrap();
+        register_slots(&mut core, 20, "d0", Role::Decode, 60, 1).unwrap();
+        core.take_actions();
+        for _ in 0..3 {
+            submit(&mut core, 16, 16);
+        }
+        core.take_actions();
+        // Past every request's deadline at once: the admitted one's end frees the slot, but
+        // the queued ones waited for it all along, and say so.
+        core.tick(Instant::now() + Duration::from_millis(1100));
+        let actions = core.take_actions();
+        let errors: Vec<&proto::Error> = sent_to(&actions, CLIENT)
+            .into_iter()
+            .filter_map(|m| match m {
+                Message::Error(e) => Some(e),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(errors.len(), 3, "{actions:?}");
+        let waited = errors
+            .iter()
+            .filter(|e| {
+                e.message
+                    .contains("exceeded in admission, waiting for a decode slot")
+            })
+            .count();
+        assert_eq!(waited, 2, "{errors:?}");
+        assert_eq!(status_counter(&core, "slot_timeouts"), Some(2));
         core.check_ledgers().unwrap();
     }
 
