@@ -972,7 +972,14 @@ impl PoolConfig {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Deadlines {
-    /// Longest a request waits in the admission queue for temporary capacity.
+    /// Longest a request waits in the admission queue for temporary capacity: pages, a
+    /// decode batch slot, a worker to register or be undrained; then it fails with
+    /// `PoolFull` (retryable), saying what it waited for. The request's own deadline counts
+    /// from its arrival, so the wait is part of it. The default, 50 s, leaves 10 s of the
+    /// default 60 s request deadline to the request once admitted: a burst far larger than
+    /// the decode slots (200 streams on a worker of 16) drains over most of the request
+    /// deadline, and every request it cannot serve is refused before it starts rather than
+    /// cut off mid-stream.
     pub admission_wait: u32,
     /// Longest the prefill/decode pair takes to agree on a transfer: the decode worker's
     /// reservation (and each worker's handshake with kvctld).
@@ -993,7 +1000,7 @@ pub struct Deadlines {
 impl Default for Deadlines {
     fn default() -> Self {
         Deadlines {
-            admission_wait: 2000,
+            admission_wait: 50_000,
             bootstrap: 2000,
             prefill: 30_000,
             transfer: 5000,
@@ -1857,6 +1864,11 @@ mod tests {
         assert_eq!(c.control.admission_queue, 1024);
         assert_eq!(c.deadlines, Deadlines::default());
         assert_eq!(c.deadlines.as_durations().request, Duration::from_secs(60));
+        assert_eq!(
+            c.deadlines.request() - c.deadlines.admission_wait(),
+            Duration::from_secs(10),
+            "a request admitted at the end of its admission wait has 10 s to be served"
+        );
         assert_eq!(c.deadlines.transfer(), Duration::from_secs(5));
         assert_eq!(c.probe.interval(), None);
         assert_eq!(c.prefill.poison, PoisonMode::Off);
