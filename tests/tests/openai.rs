@@ -25,6 +25,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+/// Each test here runs a stack of the real model; taken by each for its whole run, so that
+/// the two never share the machine's cores (the many-streams one is timed by the production
+/// deadlines).
+static ONE_STACK_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 const MAX_CONTEXT: u32 = 1024;
 const MAX_NEW: u32 = 128;
 
@@ -163,6 +168,9 @@ fn kvctld_counter(run: &Running, name: &str) -> u64 {
 
 #[test]
 fn the_openai_client_gets_the_models_answers_and_clear_errors() {
+    let _alone = ONE_STACK_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
     if missing().is_some() {
         return;
     }
@@ -512,4 +520,130 @@ fn api_keys(run: &Running, model_id: &str) {
             .contains("tenant acme:")
     });
     assert!(charged, "the request was not charged to the key's tenant");
+}
+
+/// Streams opened at once by [`two_hundred_concurrent_streams_each_get_their_own_answer`].
+const STREAMS: usize = 200;
+/// New tokens each of them asks for.
+const STREAM_TOKENS: u32 = 10;
+/// Distinct prompts among them (each sent as a plain completion, and one stream in four as
+/// a chat, whose template makes the prompt four times longer: prefill, one prompt at a time
+/// on the one prefill worker, is most of the time the streams take).
+const STREAM_PROMPTS: usize = 20;
+
+/// Two hundred streams at once through openaid, at the production deadlines: every one gets
+/// the monolithic answer to its own prompt, none fails or times out, and every page is free
+/// after. kvctld queues what the decode worker's batch cannot take; decoded steps the
+/// requests it holds together.
+#[test]
+fn two_hundred_concurrent_streams_each_get_their_own_answer() {
+    let _alone = ONE_STACK_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if missing().is_some() {
+        return;
+    }
+    let path = llama::gguf::default_model_path();
+    let geometry = llama::load::model_geometry(&path, 16, Dtype::Bf16).expect("geometry");
+    let model = llama::load::load_gguf(&path, geometry, 2).expect("model");
+    let run = start_stack("kvoai200.", 1, 1, |c| {
+        model_config(c, path.clone(), geometry);
+        c.deadlines = libkv::config::Deadlines::default();
+    });
+    let log = run.dir.path().join("openaid.log");
+    let (_openaid, addr) = spawn_openaid(run.stack.config_path(), &log);
+    let model_id = model.model_id();
+
+    let prompts: Vec<String> = (0..STREAM_PROMPTS)
+        .map(|i| format!("Write one sentence about the number {}.", 7 * i + 3))
+        .collect();
+    // The expected answers, [prompt][plain, chat]: the monolithic path, greedy.
+    let want: Vec<[(String, usize); 2]> = prompts
+        .iter()
+        .map(|p| {
+            let chat = model.encode_chat(&[Message::user(p)]).expect("chat");
+            [model.encode(p), chat].map(|tokens| {
+                let out = monolithic_paged(
+                    model.runner.as_ref(),
+                    &tokens,
+                    STREAM_TOKENS,
+                    &Sampling::GREEDY,
+                )
+                .expect("monolithic");
+                (model.decode(&out.tokens), out.tokens.len())
+            })
+        })
+        .collect();
+
+    let before = kvctld_counter(&run, "completed");
+    let py = Command::new(python())
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("python/openai_streams.py"))
+        .args([
+            format!("http://{addr}/v1"),
+            model_id.clone(),
+            STREAMS.to_string(),
+            STREAM_TOKENS.to_string(),
+        ])
+        .args(&prompts)
+        .stdin(Stdio::null())
+        .output()
+        .expect("running python");
+    let stderr = String::from_utf8_lossy(&py.stderr);
+    assert!(
+        py.status.success(),
+        "openai_streams.py failed: {stderr}\nopenaid: {}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    let out = json_of(String::from_utf8_lossy(&py.stdout).trim());
+    let streams = out["streams"].as_array().expect("streams");
+    assert_eq!(streams.len(), STREAMS);
+    let mut failed = Vec::new();
+    let mut seconds: Vec<f64> = Vec::new();
+    for s in streams {
+        let p = usize::try_from(s["prompt"].as_u64().expect("prompt")).expect("index");
+        let chat = s["chat"].as_bool().expect("chat");
+        let (text, tokens) = &want[p][usize::from(chat)];
+        let finish = if *tokens == STREAM_TOKENS as usize {
+            "length"
+        } else {
+            "stop"
+        };
+        if !s["error"].is_null() || s["text"] != text.as_str() || s["finish"] != finish {
+            failed.push(format!("{s} (want {text:?}, {finish})"));
+        }
+        seconds.push(s["seconds"].as_f64().unwrap_or(f64::NAN));
+    }
+    seconds.sort_by(f64::total_cmp);
+    eprintln!(
+        "{STREAMS} streams: {} wrong or failed; seconds per stream: median {:.1}, max {:.1}",
+        failed.len(),
+        seconds[STREAMS / 2],
+        seconds[STREAMS - 1]
+    );
+    assert!(
+        failed.is_empty(),
+        "{} of {STREAMS} streams wrong or failed:\n{}\nopenaid: {}",
+        failed.len(),
+        failed.join("\n"),
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    wait_all_free(
+        &run.stack,
+        &all_worker_ids(&run.stack),
+        Duration::from_secs(30),
+    );
+    assert_eq!(kvctld_counter(&run, "completed") - before, STREAMS as u64);
+    // They were decoded together: decoded stepped several requests at a time.
+    let status = run.stack.status().expect("status");
+    let decode = &run.stack.worker_ids(Role::Decode)[0];
+    let steps = worker_counter(&status, decode, "decode_batch_steps").unwrap_or(0);
+    let stepped = worker_counter(&status, decode, "decode_batch_requests").unwrap_or(0);
+    eprintln!(
+        "decoded: {stepped} request steps in {steps} batched steps (mean batch {:.1})",
+        stepped as f64 / steps.max(1) as f64
+    );
+    assert!(
+        stepped > 2 * steps,
+        "{stepped} request steps in {steps} steps"
+    );
 }
