@@ -244,6 +244,9 @@ fn disaggregated_equals_monolithic(tokens_per_page: u32, transports: &[&str]) {
                 "{what}: pages transferred"
             );
         }
+        if transport != "rdma" {
+            all_at_once(stack, &cases, &expected, tpp, transport);
+        }
         // The pages moved as configured: RDMA reads through windows, not a fallback to TCP.
         assert_transport(
             stack,
@@ -256,6 +259,45 @@ fn disaggregated_equals_monolithic(tokens_per_page: u32, transports: &[&str]) {
         assert_eq!(stack.worker_ids(Role::Prefill).len(), 1);
         wait_all_free(stack, &all_worker_ids(stack), Duration::from_secs(10));
     }
+}
+
+/// Every prompt at once, each from its own client: decoded steps those it holds together
+/// (a batch that requests join and leave as their prefills and decodes end), and each
+/// output is still the monolithic one.
+fn all_at_once(
+    stack: &kvctld::stack::Stack,
+    cases: &[(String, Vec<u32>)],
+    expected: &[Option<Output>],
+    tpp: usize,
+    transport: &str,
+) {
+    let decode = &stack.worker_ids(Role::Decode)[0];
+    let batched = || {
+        let s = stack.status().expect("status");
+        let get = |name| kvfence_tests::worker_counter(&s, decode, name).unwrap_or(0);
+        (get("decode_batch_requests"), get("decode_batch_steps"))
+    };
+    let (requests_before, steps_before) = batched();
+    std::thread::scope(|s| {
+        for ((what, prompt), want) in cases.iter().zip(expected) {
+            s.spawn(move || {
+                let what = format!("{what} ({tpp}/page, {transport}, all at once)");
+                let out = stack
+                    .client()
+                    .and_then(|mut c| c.generate("acme", prompt, MAX_NEW, 0, |_| {}))
+                    .unwrap_or_else(|e| panic!("{what}: {}", error_chain(&e)));
+                assert_matches(&out, want.as_ref().expect("computed above"), &what);
+            });
+        }
+    });
+    let (requests, steps) = batched();
+    let (requests, steps) = (requests - requests_before, steps - steps_before);
+    eprintln!(
+        "{} prompts at once ({tpp}/page, {transport}): {requests} request steps in {steps} \
+         decode steps, mean batch {:.2}",
+        cases.len(),
+        requests as f64 / steps.max(1) as f64
+    );
 }
 
 #[test]
