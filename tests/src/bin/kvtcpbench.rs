@@ -73,7 +73,7 @@ struct Args {
     /// Page sizes, in KiB.
     #[arg(long, value_delimiter = ',', default_value = "64,1024")]
     page_kib: Vec<u32>,
-    /// Connections the page path pulls on at once (one decode thread each, as decoded's job
+    /// Connections the page path pulls on at once (one pull thread each, as decoded's pull
     /// threads), each compared with iperf3 with that many streams (`-P`).
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
     streams: Vec<usize>,
@@ -279,7 +279,7 @@ impl std::fmt::Display for Cost {
 }
 
 /// Pulls `total` bytes of `page_kib` KiB pages, repeatedly, for `seconds`, on `streams`
-/// connections at once (one decode thread each, as decoded's job threads): every pull
+/// connections at once (one pull thread each, as decoded's pull threads): every pull
 /// reserves, lands the pages (digested as they arrive) and verifies them against the
 /// digests prefill computed, as decoded does.
 fn page_path(
