@@ -230,10 +230,16 @@ fn step(ctx: &JobContext, active: &mut [Active]) -> Vec<Result<u32, ModelError>>
     add(&counters.decode_step_us, micros(started.elapsed()));
     add(&counters.decode_batch_steps, 1);
     add(&counters.decode_batch_requests, n as u64);
-    let mut results = ran.unwrap_or_else(|_| {
-        log::error!("the model panicked in a decode step of {n} requests");
-        Vec::new()
-    });
+    let Ok(mut results) = ran else {
+        log::error!("the model panicked in a decode step of {n} requests; failing them");
+        return (0..n)
+            .map(|_| {
+                Err(ModelError::Failed(
+                    "the model panicked in a decode step".into(),
+                ))
+            })
+            .collect();
+    };
     if results.len() != n {
         let got = results.len();
         results.truncate(n);
@@ -513,6 +519,27 @@ mod tests {
         assert_eq!(e.code, ErrorCode::Internal);
         assert!(e.message.contains("injected at step 3"), "{e:?}");
         assert!(told[&2].done.is_none());
+    }
+
+    #[test]
+    fn a_panic_in_the_model_fails_its_batch_and_the_batcher_serves_on() {
+        let mut probe = Probe::new(Duration::from_millis(2));
+        let bad = &b"the request the model panics on"[..];
+        probe.panic = Some((len(bad), 2));
+        let mut h = Harness::new(probe, 4);
+        h.submit(1, b"decoded beside it", 400);
+        h.wait_for(|t| has_tokens(t, 1));
+        h.submit(2, bad, 20);
+        h.wait_for(|t| [1, 2].iter().all(|r| t.get(r).is_some_and(|t| t.ended)));
+        let told = h.told();
+        for r in [1, 2] {
+            let e = told[&r].error.as_ref().expect("an error");
+            assert_eq!(e.code, ErrorCode::Internal);
+            assert!(e.message.contains("the model panicked"), "{e:?}");
+        }
+        h.submit(3, b"after the panic", 10);
+        let told = h.wait_all_ended();
+        h.assert_alone_output(&told, 3);
     }
 
     #[test]

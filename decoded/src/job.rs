@@ -809,6 +809,8 @@ pub(crate) mod testing {
         pub step: Duration,
         pub stop: Option<u32>,
         pub fail: Option<(u32, u32)>,
+        /// Panics in the step of this request (by prompt length) and step.
+        pub panic: Option<(u32, u32)>,
         pub calls: Mutex<Vec<Vec<(u32, u32)>>>,
     }
 
@@ -820,6 +822,7 @@ pub(crate) mod testing {
                 step,
                 stop: None,
                 fail: None,
+                panic: None,
                 calls: Mutex::new(Vec::new()),
             }
         }
@@ -861,8 +864,10 @@ pub(crate) mod testing {
             self.inner.step(kv, input, step, prompt_len)
         }
         fn sample_batch(&self, batch: &mut [BatchStep<'_>]) -> Vec<Result<u32, ModelError>> {
-            let seen = batch.iter().map(|b| (b.prompt_len, b.step)).collect();
+            let seen: Vec<(u32, u32)> = batch.iter().map(|b| (b.prompt_len, b.step)).collect();
+            let panics = self.panic.is_some_and(|p| seen.contains(&p));
             self.calls.lock().unwrap().push(seen);
+            assert!(!panics, "injected panic");
             std::thread::sleep(self.step);
             batch
                 .iter_mut()
