@@ -4,7 +4,7 @@ path of the same model.
 
     openai_streams.py BASE_URL MODEL STREAMS MAX_TOKENS PROMPT...
 
-Stream `i` sends PROMPT number `i % len(PROMPTS)`, as a chat message when `i % 4 == 1` and as
+Stream `i` sends PROMPT number `i % len(PROMPTS)`, as a chat message when `i % 8 == 1` and as
 a plain completion otherwise, greedy, streamed, all at once. Prints one JSON object:
 `{"streams": [{"i", "prompt", "chat", "text", "finish", "error", "seconds"}, ...]}`.
 """
@@ -22,7 +22,7 @@ prompts = sys.argv[5:]
 
 async def one(client, i):
     p = i % len(prompts)
-    chat = i % 4 == 1
+    chat = i % 8 == 1
     start = time.monotonic()
     parts, finish, error = [], None, None
     try:
