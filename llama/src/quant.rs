@@ -43,6 +43,14 @@ impl QuantKind {
         }
     }
 
+    /// The ggml type whose blocks these are.
+    pub fn ggml_type(self) -> GgmlType {
+        match self {
+            QuantKind::Q4_1 => GgmlType::Q4_1,
+            QuantKind::Q8_0 => GgmlType::Q8_0,
+        }
+    }
+
     /// Bytes per block of 32 weights.
     pub fn block_bytes(self) -> usize {
         match self {
@@ -97,11 +105,6 @@ impl QuantMatrix {
         self.cols
     }
 
-    /// Bytes of the blocks.
-    pub fn bytes(&self) -> usize {
-        self.bytes.len()
-    }
-
     fn row_bytes(&self) -> usize {
         self.cols / BLOCK * self.kind.block_bytes()
     }
@@ -114,72 +117,39 @@ impl QuantMatrix {
 
     /// The same matrix with its rows reordered: row `i` of the result is row `from[i]`.
     pub fn permute_rows(&self, from: impl Fn(usize) -> usize) -> QuantMatrix {
-        let rb = self.row_bytes();
         let mut bytes = Vec::with_capacity(self.bytes.len());
         for i in 0..self.rows {
-            let r = from(i);
-            bytes.extend_from_slice(&self.bytes[r * rb..(r + 1) * rb]);
+            bytes.extend_from_slice(self.row(from(i)));
         }
         QuantMatrix { bytes, ..*self }
     }
 
-    /// Row `r` dequantized into `out` (`cols` long), as [`crate::gguf::dequantize_into`].
+    /// Row `r` dequantized into `out` (`cols` long): [`crate::gguf::dequantize_into`]'s
+    /// values, with the same arithmetic in registers where `SIMD`.
     #[inline(always)]
     fn dequantize_row<const SIMD: bool>(&self, r: usize, out: &mut [f32]) {
-        let rb = self.row_bytes();
-        let row = &self.bytes[r * rb..(r + 1) * rb];
-        let blocks = out.chunks_exact_mut(BLOCK);
-        match self.kind {
-            QuantKind::Q4_1 => {
-                for (b, y) in row.chunks_exact(20).zip(blocks) {
-                    #[cfg(target_arch = "x86_64")]
-                    if SIMD {
-                        // SAFETY: SIMD is set only inside functions compiled for AVX2, FMA
-                        // and F16C, called once the CPU is known to have them; `b` is a
-                        // whole block and `y` 32 values.
-                        unsafe { simd::q4_1_block(b, y) };
-                        continue;
+        let row = self.row(r);
+        #[cfg(target_arch = "x86_64")]
+        if SIMD {
+            let bytes = self.kind.block_bytes();
+            for (b, y) in row.chunks_exact(bytes).zip(out.chunks_exact_mut(BLOCK)) {
+                // SAFETY: SIMD is set only inside functions compiled for AVX2, FMA and F16C,
+                // called once the CPU is known to have them; `b` is a whole block and `y`
+                // 32 values.
+                unsafe {
+                    match self.kind {
+                        QuantKind::Q4_1 => simd::q4_1_block(b, y),
+                        QuantKind::Q8_0 => simd::q8_0_block(b, y),
                     }
-                    q4_1_block(b, y);
                 }
             }
-            QuantKind::Q8_0 => {
-                for (b, y) in row.chunks_exact(34).zip(blocks) {
-                    #[cfg(target_arch = "x86_64")]
-                    if SIMD {
-                        // SAFETY: as above.
-                        unsafe { simd::q8_0_block(b, y) };
-                        continue;
-                    }
-                    q8_0_block(b, y);
-                }
-            }
+            return;
         }
-    }
-}
-
-#[inline(always)]
-fn f16(lo: u8, hi: u8) -> f32 {
-    half::f16::from_bits(u16::from_le_bytes([lo, hi])).to_f32()
-}
-
-/// One Q4_1 block: element `j < 16` is the low nibble of byte `j`, `j + 16` its high one.
-#[inline(always)]
-fn q4_1_block(b: &[u8], y: &mut [f32]) {
-    let (d, m) = (f16(b[0], b[1]), f16(b[2], b[3]));
-    let (lo, hi) = y.split_at_mut(16);
-    for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&b[4..20]) {
-        // a product then a sum, each rounded (no fused multiply-add), as the dequantizer
-        *l = f32::from(q & 0x0F) * d + m;
-        *h = f32::from(q >> 4) * d + m;
-    }
-}
-
-#[inline(always)]
-fn q8_0_block(b: &[u8], y: &mut [f32]) {
-    let d = f16(b[0], b[1]);
-    for (yj, &q) in y.iter_mut().zip(&b[2..34]) {
-        *yj = f32::from(i8::from_le_bytes([q])) * d;
+        let ggml = self.kind.ggml_type();
+        // A row is whole blocks of `cols` values (`QuantMatrix::new`): it cannot fail.
+        if crate::gguf::dequantize_into(ggml, row, &mut out[..self.cols]).is_err() {
+            unreachable!("a row of whole blocks");
+        }
     }
 }
 
@@ -352,29 +322,32 @@ fn matvec_body<const SIMD: bool, const WIDE_REGS: bool>(
         }
         return;
     }
-    let mut bufs: [Vec<f32>; 4] = std::array::from_fn(|_| vec![0f32; cols]);
+    // Dequantized rows land in these; f32 rows are read in place and need none.
+    let len = if matches!(m, Mat::Quant(_)) { cols } else { 0 };
+    let mut bufs: [Vec<f32>; 4] = std::array::from_fn(|_| vec![0f32; len]);
     let many = SIMD && WIDE_REGS && cols >= WIDE && xs.len() > 1;
     let four = many && cols.is_multiple_of(32);
-    let rows: Vec<usize> = rows.collect();
-    let mut i = 0;
-    while i < rows.len() {
+    let (start, end) = (rows.start, rows.end);
+    let mut r = start;
+    while r < end {
+        let i = r - start;
         let [b0, b1, b2, b3] = &mut bufs;
-        if four && i + 3 < rows.len() {
-            let r = [
-                row::<SIMD>(m, rows[i], b0),
-                row::<SIMD>(m, rows[i + 1], b1),
-                row::<SIMD>(m, rows[i + 2], b2),
-                row::<SIMD>(m, rows[i + 3], b3),
+        if four && r + 3 < end {
+            let rs = [
+                row::<SIMD>(m, r, b0),
+                row::<SIMD>(m, r + 1, b1),
+                row::<SIMD>(m, r + 2, b2),
+                row::<SIMD>(m, r + 3, b3),
             ];
-            dots4::<SIMD, WIDE_REGS>(r, xs, &mut out[i..], stride);
-            i += 4;
-        } else if many && i + 1 < rows.len() {
-            let (r0, r1) = (row::<SIMD>(m, rows[i], b0), row::<SIMD>(m, rows[i + 1], b1));
+            dots4::<SIMD, WIDE_REGS>(rs, xs, &mut out[i..], stride);
+            r += 4;
+        } else if many && r + 1 < end {
+            let (r0, r1) = (row::<SIMD>(m, r, b0), row::<SIMD>(m, r + 1, b1));
             dots2::<SIMD, WIDE_REGS>(r0, r1, xs, &mut out[i..], stride);
-            i += 2;
+            r += 2;
         } else {
-            dots::<SIMD>(row::<SIMD>(m, rows[i], b0), xs, &mut out[i..], stride);
-            i += 1;
+            dots::<SIMD>(row::<SIMD>(m, r, b0), xs, &mut out[i..], stride);
+            r += 1;
         }
     }
 }

@@ -502,10 +502,12 @@ impl LlamaRunner {
             .collect();
         for (i, (part, kv)) in parts.into_iter().enumerate() {
             let run = part.len() / n;
-            for (b, (logits, new_kv)) in out.iter_mut().enumerate() {
+            for (b, (logits, _)) in out.iter_mut().enumerate() {
                 logits.extend_from_slice(&part[b * run..(b + 1) * run]);
-                if i == 0 {
-                    *new_kv = kv[b].clone();
+            }
+            if i == 0 {
+                for ((_, new_kv), kv) in out.iter_mut().zip(kv) {
+                    *new_kv = kv;
                 }
             }
         }

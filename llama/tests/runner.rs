@@ -623,7 +623,7 @@ fn runner_real_model_answers_paris() {
 /// quantized model file loads. Every `cols` must be a multiple of 32.
 #[allow(clippy::cast_sign_loss)] // clamped to 0..=15 before the cast
 fn quantize(mut w: LlamaWeights) -> LlamaWeights {
-    use llama::gguf::{GgmlType, dequantize_into};
+    use llama::gguf::dequantize_into;
     use llama::quant::{QuantKind, QuantMatrix};
     fn f16(v: f32) -> [u8; 2] {
         half::f16::from_f32(v).to_le_bytes()
@@ -657,11 +657,7 @@ fn quantize(mut w: LlamaWeights) -> LlamaWeights {
     // Quantizes `f` ([rows][cols]) in place to its dequantized blocks; returns the blocks.
     let quant = |kind: QuantKind, f: &mut Vec<f32>, cols: usize| {
         let bytes = blocks(kind, f);
-        let ggml = match kind {
-            QuantKind::Q8_0 => GgmlType::Q8_0,
-            QuantKind::Q4_1 => GgmlType::Q4_1,
-        };
-        dequantize_into(ggml, &bytes, f).unwrap();
+        dequantize_into(kind.ggml_type(), &bytes, f).unwrap();
         Some(QuantMatrix::new(kind, f.len() / cols, cols, bytes).unwrap())
     };
     let c = w.config.clone();
