@@ -158,6 +158,28 @@ fn http(
     (status, body.to_owned())
 }
 
+/// Runs `tests/python/SCRIPT` with `args` and returns the one JSON object it prints; a
+/// failure shows its stderr and openaid's log (`log`).
+fn run_python(script: &str, args: &[String], log: &Path) -> Value {
+    let py = Command::new(python())
+        .arg(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("python")
+                .join(script),
+        )
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("running python");
+    assert!(
+        py.status.success(),
+        "{script} failed: {}\nopenaid: {}",
+        String::from_utf8_lossy(&py.stderr),
+        std::fs::read_to_string(log).unwrap_or_default()
+    );
+    json_of(String::from_utf8_lossy(&py.stdout).trim())
+}
+
 fn json_of(body: &str) -> Value {
     serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"))
 }
@@ -252,24 +274,16 @@ fn the_openai_client_gets_the_models_answers_and_clear_errors() {
 
     let long_words = (MAX_CONTEXT + 100).to_string();
     let disconnect_max = MAX_NEW.to_string();
-    let py = Command::new(python())
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("python/openai_client.py"))
-        .args([
-            format!("http://{addr}/v1").as_str(),
-            model_id.as_str(),
-            &long_words,
-            &disconnect_max,
-        ])
-        .stdin(Stdio::null())
-        .output()
-        .expect("running python");
-    let stderr = String::from_utf8_lossy(&py.stderr);
-    assert!(
-        py.status.success(),
-        "openai_client.py failed: {stderr}\nopenaid: {}",
-        std::fs::read_to_string(&log).unwrap_or_default()
+    let out = run_python(
+        "openai_client.py",
+        &[
+            format!("http://{addr}/v1"),
+            model_id.clone(),
+            long_words,
+            disconnect_max,
+        ],
+        &log,
     );
-    let out = json_of(String::from_utf8_lossy(&py.stdout).trim());
     eprintln!("openai {}: {out}", out["openai_version"]);
 
     // Chat, whole and streamed: the monolithic answer.
@@ -614,25 +628,14 @@ fn two_hundred_concurrent_streams_each_get_their_own_answer() {
         .collect();
 
     let before = kvctld_counter(&run, "completed");
-    let py = Command::new(python())
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("python/openai_streams.py"))
-        .args([
-            format!("http://{addr}/v1"),
-            model_id.clone(),
-            STREAMS.to_string(),
-            STREAM_TOKENS.to_string(),
-        ])
-        .args(&prompts)
-        .stdin(Stdio::null())
-        .output()
-        .expect("running python");
-    let stderr = String::from_utf8_lossy(&py.stderr);
-    assert!(
-        py.status.success(),
-        "openai_streams.py failed: {stderr}\nopenaid: {}",
-        std::fs::read_to_string(&log).unwrap_or_default()
-    );
-    let out = json_of(String::from_utf8_lossy(&py.stdout).trim());
+    let mut args = vec![
+        format!("http://{addr}/v1"),
+        model_id.clone(),
+        STREAMS.to_string(),
+        STREAM_TOKENS.to_string(),
+    ];
+    args.extend(prompts.iter().cloned());
+    let out = run_python("openai_streams.py", &args, &log);
     let streams = out["streams"].as_array().expect("streams");
     assert_eq!(streams.len(), STREAMS);
     let mut failed = Vec::new();

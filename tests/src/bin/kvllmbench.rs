@@ -150,6 +150,9 @@ fn runner(
     batch: usize,
     batch_prompt: usize,
 ) -> Result<(), String> {
+    if batch == 0 || batch_prompt == 0 || prompt_len == 0 {
+        return Err("--prompt, --batch and --batch-prompt must be at least 1".into());
+    }
     let path = llama::gguf::default_model_path();
     let g = llama::load::model_geometry(&path, 16, Dtype::Bf16).map_err(|e| error_chain(&e))?;
     let gguf = llama::gguf::Gguf::open(&path).map_err(|e| error_chain(&e))?;

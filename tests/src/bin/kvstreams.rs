@@ -115,6 +115,12 @@ fn config(args: &Args, socket: std::path::PathBuf) -> Result<Config, String> {
 }
 
 fn run(args: &Args) -> Result<Value, String> {
+    if args.streams == 0 || args.min_tokens == 0 || args.min_tokens > args.max_tokens {
+        return Err(format!(
+            "--streams must be at least 1 and 1 <= --min-tokens <= --max-tokens (got {}, {} and {})",
+            args.streams, args.min_tokens, args.max_tokens
+        ));
+    }
     let dir = tempfile::Builder::new()
         .prefix("kvstreams")
         .tempdir_in("/tmp")
