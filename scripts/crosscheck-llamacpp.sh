@@ -24,19 +24,22 @@ trap 'rm -f "$ours"' EXIT
 KVFENCE_MODEL=$model KVFENCE_CROSSCHECK_OUT=$ours \
   cargo test --release --quiet -p llama --test crosscheck -- --ignored >/dev/null
 
-"$venv/bin/python" - "$model" "$ours" <<'PY'
+"$venv/bin/python" - "$PWD/scripts" "$model" "$ours" <<'PY'
 import json, sys
 import numpy as np
 from llama_cpp import Llama
 
-model, ours = sys.argv[1:]
+sys.path.insert(0, sys.argv[1])
+from crosscheck_report import Report
+
+model, ours = sys.argv[2:]
 llm = Llama(model_path=model, n_ctx=2048, n_threads=2, n_batch=512, logits_all=True,
             verbose=False)
 stops = {llm.token_eos()}
 im_end = llm.tokenize(b"<|im_end|>", add_bos=False, special=True)
 if len(im_end) == 1:
     stops.add(im_end[0])
-same, total, notes = 0, 0, []
+report = Report("llama.cpp")
 for line in open(ours):
     k = json.loads(line)
     llm.reset()
@@ -51,22 +54,6 @@ for line in open(ours):
             break
         theirs.append(t)
         llm.eval([t])
-    total += 1
-    ours_t = k["tokens"]
-    if ours_t == theirs:
-        same += 1
-        print(f"{k['name']:>10}: identical ({len(ours_t)} tokens): {k['text']!r}")
-        continue
-    i = next((i for i, (a, b) in enumerate(zip(ours_t, theirs)) if a != b),
-             min(len(ours_t), len(theirs)))
-    a = ours_t[i] if i < len(ours_t) else "stop"
-    b = theirs[i] if i < len(theirs) else "stop"
-    note = (f"{k['name']} at step {i}: kvfence {a} (margin {k['margins'][i]:.3f}), "
-            f"llama.cpp {b} (margin {margins[i]:.3f})")
-    notes.append(note)
-    print(f"{k['name']:>10}: DIVERGES {note}")
-    print(f"{'':>12}kvfence:   {k['text']!r}")
-    print(f"{'':>12}llama.cpp: {llm.detokenize(theirs).decode('utf-8', 'replace')!r}")
-print(f"crosscheck: {same}/{total} prompts identical"
-      + (f"; divergences: {'; '.join(notes)}" if notes else ""))
+    report.compare(k, theirs, llm.detokenize(theirs).decode("utf-8", "replace"), margins)
+report.summary()
 PY

@@ -23,7 +23,9 @@ import json, sys
 
 def main():
     from vllm import LLM, SamplingParams
-    model_dir, ours = sys.argv[1:]
+    sys.path.insert(0, sys.argv[1])
+    from crosscheck_report import Report
+    model_dir, ours = sys.argv[2:]
     llm = LLM(model=model_dir, dtype="float32", max_model_len=2048, enforce_eager=True,
               max_num_seqs=4)
     tok = llm.get_tokenizer()
@@ -33,31 +35,17 @@ def main():
     params = SamplingParams(temperature=0, max_tokens=32, stop_token_ids=sorted(stops))
     outs = llm.generate([{"prompt_token_ids": k["prompt_tokens"]} for k in ks], params,
                         use_tqdm=False)
-    same, notes = 0, []
+    report = Report("vLLM")
     for k, o in zip(ks, outs):
-        theirs = [t for t in o.outputs[0].token_ids]
+        theirs = list(o.outputs[0].token_ids)
         while theirs and theirs[-1] in stops:
             theirs.pop()
-        ours_t = k["tokens"]
-        if ours_t == theirs:
-            same += 1
-            print(f"{k['name']:>10}: identical ({len(ours_t)} tokens): {k['text']!r}")
-            continue
-        i = next((i for i, (a, b) in enumerate(zip(ours_t, theirs)) if a != b),
-                 min(len(ours_t), len(theirs)))
-        a = ours_t[i] if i < len(ours_t) else "stop"
-        b = theirs[i] if i < len(theirs) else "stop"
-        note = f"{k['name']} at step {i}: kvfence {a} (margin {k['margins'][i]:.3f}), vLLM {b}"
-        notes.append(note)
-        print(f"{k['name']:>10}: DIVERGES {note}")
-        print(f"{'':>12}kvfence: {k['text']!r}")
-        print(f"{'':>12}vLLM:    {o.outputs[0].text!r}")
-    print(f"crosscheck: {same}/{len(ks)} prompts identical"
-          + (f"; divergences: {'; '.join(notes)}" if notes else ""))
+        report.compare(k, theirs, o.outputs[0].text)
+    report.summary()
 
 
 if __name__ == "__main__":  # vLLM spawns its engine and worker processes
     main()
 PY
 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind HF_HUB_OFFLINE=1 \
-  "$py" "$script" "$model_dir" "$ours" 2>/dev/null
+  "$py" "$script" "$PWD/scripts" "$model_dir" "$ours" 2>/dev/null
