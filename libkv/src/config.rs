@@ -1328,7 +1328,9 @@ impl Config {
                 max_batch: Some(DEFAULT_MAX_BATCH),
             },
             deadlines: Deadlines {
-                admission_wait: 500,
+                // A burst beyond the decode slots waits here for its turn to decode (as the
+                // production default, most of the request deadline), not only for pages.
+                admission_wait: 10_000,
                 bootstrap: 1000,
                 prefill: 5000,
                 transfer: 2000,
