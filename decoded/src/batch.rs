@@ -217,6 +217,7 @@ fn step(ctx: &JobContext, active: &mut [Active]) -> Vec<Result<u32, ModelError>>
     let mut batch: Vec<BatchStep<'_>> = active
         .iter_mut()
         .map(|a| BatchStep {
+            owner: Some(a.d.owner),
             kv: &mut a.d.kv,
             input: a.input,
             step: a.step,

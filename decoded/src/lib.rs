@@ -131,9 +131,10 @@ struct Decode {
 pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
     // The decode pool's fd never leaves this process: only the pool holds it. Registered
     // with RDMA for local access only: reads land here, no peer gets a key to it.
-    let model = llama::load(&cfg.model, cfg.geometry, cfg.model.threads())
+    // An engine embedding the worker brings its own runner; otherwise `[model]` says.
+    let model = llama::worker_runner(opts.model.as_ref(), &cfg.model, cfg.geometry)
         .map_err(|e| WorkerError::ModelLoad(e.into()))?;
-    let mut start = Startup::new(&cfg, Side::Decode, model.runner)?;
+    let mut start = Startup::new(&cfg, Side::Decode, model)?;
     let mut transports = vec![Transport::Shm, Transport::Tcp];
     if start.rdma.is_some() {
         transports.push(Transport::Rdma);

@@ -784,6 +784,10 @@ pub enum ModelKind {
     Reference,
     /// A Llama-architecture model from a GGUF file (the `llama` crate).
     Gguf,
+    /// An inference engine's model: the workers run inside the engine (vLLM, through the
+    /// kvfence connector), which computes and consumes the KV ([`crate::engine`]). A worker
+    /// daemon started on its own refuses this kind.
+    Engine,
 }
 
 /// Request size limits, in tokens. Both are required: there is no safe default.

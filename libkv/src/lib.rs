@@ -8,6 +8,7 @@
 pub mod admission;
 pub mod chart;
 pub mod config;
+pub mod engine;
 pub mod etcd;
 pub mod fence;
 pub mod geometry;

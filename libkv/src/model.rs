@@ -25,6 +25,7 @@
 //! [`monolithic`] path computes the same math from the prompt alone, without pages or
 //! transfers, and gives the expected output for tests.
 
+use crate::Owner;
 use crate::geometry::{Kv, PageGeometry};
 use crate::pool::{PoolError, WriteGrant};
 use crate::proto::Sampling;
@@ -128,6 +129,9 @@ impl KvCache for VerifiedKv {
 /// One request's part of a batched decode step ([`ModelRunner::sample_batch`]): the
 /// arguments of [`ModelRunner::sample`].
 pub struct BatchStep<'a> {
+    /// The reservation the request decodes in; `None` outside one (the monolithic path,
+    /// benchmarks). Only a runner that hands KV to an engine ([`crate::engine`]) reads it.
+    pub owner: Option<Owner>,
     pub kv: &'a mut dyn KvCache,
     pub input: u32,
     pub step: u32,
@@ -138,6 +142,7 @@ pub struct BatchStep<'a> {
 impl std::fmt::Debug for BatchStep<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BatchStep")
+            .field("owner", &self.owner)
             .field("input", &self.input)
             .field("step", &self.step)
             .field("prompt_len", &self.prompt_len)
@@ -167,6 +172,19 @@ pub trait ModelRunner: Send + Sync + std::fmt::Debug {
         pages: &mut dyn PageWrite,
         keep_going: &mut dyn FnMut(usize) -> bool,
     ) -> Result<bool, ModelError>;
+    /// [`ModelRunner::prefill_chunked`] for the reservation `owner`: what prefilld calls. A
+    /// runner whose KV comes from an engine ([`crate::engine`]) needs to know whose KV to
+    /// write; a model that computes it ignores the owner.
+    fn prefill_owned(
+        &self,
+        owner: Owner,
+        prompt: &[u32],
+        pages: &mut dyn PageWrite,
+        keep_going: &mut dyn FnMut(usize) -> bool,
+    ) -> Result<bool, ModelError> {
+        let _ = owner;
+        self.prefill_chunked(prompt, pages, keep_going)
+    }
     /// Decode step `step` of a prompt of `prompt_len` tokens. `input` is the token at
     /// position `prompt_len - 1 + step`: the prompt's last token at step 0, then the token
     /// step `step - 1` emitted. The model appends to `kv` the KV it keeps and returns the

@@ -279,6 +279,7 @@ impl Daemon {
         let opts = RunOptions {
             handle_signals: false,
             shutdown: shutdown.clone(),
+            model: None,
         };
         let (tx, done) = mpsc::channel();
         std::thread::spawn(move || {

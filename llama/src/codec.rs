@@ -10,6 +10,11 @@ use libkv::config::{ModelConfig, ModelKind};
 /// Why a [`Codec`] could not be built or could not encode.
 #[derive(Debug, thiserror::Error)]
 pub enum CodecError {
+    #[error(
+        "model.kind is \"engine\": the engine tokenizes (kvctl and openaid speak only to \
+         kvfence's own models; use the engine's front, kvfence.proxy)"
+    )]
+    Engine,
     /// `kind = "gguf"` without a file.
     #[error("[model] kind is \"gguf\" but path is not set")]
     NoPath,
@@ -40,6 +45,7 @@ impl Codec {
         match (model.kind, &model.path) {
             (ModelKind::Reference, _) => Ok(Codec::Bytes),
             (ModelKind::Gguf, None) => Err(CodecError::NoPath),
+            (ModelKind::Engine, _) => Err(CodecError::Engine),
             (ModelKind::Gguf, Some(path)) => {
                 let (tokenizer, model_id) = load_tokenizer(path)?;
                 Ok(Codec::Gguf {

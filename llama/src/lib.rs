@@ -24,4 +24,4 @@ pub mod sample;
 pub mod tokenizer;
 pub mod weights;
 
-pub use load::{LoadError, LoadedModel, load};
+pub use load::{LoadError, LoadedModel, load, worker_runner};

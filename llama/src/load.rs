@@ -17,6 +17,11 @@ use crate::weights::{LlamaWeights, WeightsError};
 /// Why the configured model could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
+    #[error(
+        "model.kind is \"engine\": its workers run inside the engine (the kvfence vLLM \
+         connector), not as daemons of their own"
+    )]
+    Engine,
     #[error("model.kind is \"gguf\" but model.path is not set")]
     NoPath,
     #[error("opening the model {}", path.display())]
@@ -95,6 +100,19 @@ impl LoadedModel {
     }
 }
 
+/// The runner a worker daemon runs: `given` when an engine embedding the worker brings its
+/// own ([`libkv::engine`]), otherwise the one `[model]` names ([`load`]).
+pub fn worker_runner(
+    given: Option<&Arc<dyn ModelRunner>>,
+    cfg: &ModelConfig,
+    geometry: PageGeometry,
+) -> Result<Arc<dyn ModelRunner>, LoadError> {
+    match given {
+        Some(runner) => Ok(Arc::clone(runner)),
+        None => Ok(load(cfg, geometry, cfg.threads())?.runner),
+    }
+}
+
 /// Builds the runner `[model]` names over pages of `geometry`, prefilling on up to `threads`
 /// threads. A GGUF model whose layers, KV heads or head dimension differ from `geometry`'s
 /// is refused, naming both.
@@ -108,6 +126,7 @@ pub fn load(
             runner: Arc::new(ReferenceModel::new(geometry).map_err(LoadError::Reference)?),
             tokenizer: None,
         }),
+        ModelKind::Engine => Err(LoadError::Engine),
         ModelKind::Gguf => {
             let path = cfg.path.as_deref().ok_or(LoadError::NoPath)?;
             load_gguf(path, geometry, threads)

@@ -275,6 +275,7 @@ impl LlamaRunner {
         prompt_len: u32,
     ) -> Result<Vec<f32>, ModelError> {
         let mut one = [BatchStep {
+            owner: None,
             kv,
             input,
             step,

@@ -726,6 +726,7 @@ fn decode_together(r: &LlamaRunner, reqs: &[Req]) -> Vec<libkv::model::Output> {
                 .copied()
                 .unwrap_or(*q.prompt.last().unwrap());
             steps.push(libkv::model::BatchStep {
+                owner: None,
                 kv,
                 input,
                 step,
@@ -838,6 +839,7 @@ fn a_request_that_cannot_step_fails_alone_in_its_batch() {
         .iter_mut()
         .zip(inputs)
         .map(|(kv, input)| libkv::model::BatchStep {
+            owner: None,
             kv,
             input,
             step: 0,

@@ -98,7 +98,7 @@ fn prepare(cfg: &Config) -> Result<Prepared, String> {
     )
     .with_model_file(match cfg.model.kind {
         ModelKind::Gguf => cfg.model.path.as_deref(),
-        ModelKind::Reference => None,
+        ModelKind::Reference | ModelKind::Engine => None,
     });
     Ok(Prepared { addr, app })
 }

@@ -92,9 +92,10 @@ const ABANDON_CHECK: Duration = Duration::from_millis(5);
 /// first), or until kvctld refuses its registration for good.
 pub fn run(cfg: Config, opts: RunOptions) -> Result<(), WorkerError> {
     let listen = cfg.transfer.listen_addr().map_err(WorkerError::Transfer)?;
-    let model = llama::load(&cfg.model, cfg.geometry, cfg.model.threads())
+    // An engine embedding the worker brings its own runner; otherwise `[model]` says.
+    let model = llama::worker_runner(opts.model.as_ref(), &cfg.model, cfg.geometry)
         .map_err(|e| WorkerError::ModelLoad(e.into()))?;
-    let mut start = Startup::new(&cfg, Side::Prefill, model.runner)?;
+    let mut start = Startup::new(&cfg, Side::Prefill, model)?;
     let counters = Arc::new(Counters::default());
     let held = HeldMap::default();
     let (server, endpoint) = match listen {
@@ -270,14 +271,16 @@ impl Prefill {
             return Ok(Some((grant.pages().to_vec(), digests)));
         }
         let mut last_check = Instant::now();
-        let finished = self.model.prefill_chunked(tokens, &mut grant, &mut |_| {
-            let now = Instant::now();
-            if now.saturating_duration_since(last_check) < ABANDON_CHECK {
-                return true;
-            }
-            last_check = now;
-            !link.abandoned(owner)
-        })?;
+        let finished = self
+            .model
+            .prefill_owned(owner, tokens, &mut grant, &mut |_| {
+                let now = Instant::now();
+                if now.saturating_duration_since(last_check) < ABANDON_CHECK {
+                    return true;
+                }
+                last_check = now;
+                !link.abandoned(owner)
+            })?;
         if !finished {
             return Ok(None);
         }

@@ -27,6 +27,7 @@
 
 use crate::config::Config;
 use crate::metrics::{Board, WorkerSample, request_context_tokens};
+use crate::model::ModelRunner;
 use crate::outbox::{Flushed, Outbox};
 use crate::pool::PoolUsage;
 use crate::proto::{
@@ -152,6 +153,9 @@ pub struct RunOptions {
     pub handle_signals: bool,
     /// Another way to stop the worker.
     pub shutdown: Shutdown,
+    /// The model to run instead of the one `[model]` names: what an engine that embeds the
+    /// worker passes (its [`crate::engine::EngineRunner`]).
+    pub model: Option<Arc<dyn ModelRunner>>,
 }
 
 impl Default for RunOptions {
@@ -159,6 +163,7 @@ impl Default for RunOptions {
         RunOptions {
             handle_signals: true,
             shutdown: Shutdown::new(),
+            model: None,
         }
     }
 }

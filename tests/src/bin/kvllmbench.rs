@@ -119,6 +119,7 @@ fn decode_batch(
             .iter_mut()
             .zip(prompts.iter().zip(&inputs))
             .map(|(kv, (p, &input))| BatchStep {
+                owner: None,
                 kv,
                 input,
                 step,
