@@ -649,9 +649,11 @@ impl Core {
     /// runs the kind of model `[model]` names, and the same one as those registered.
     fn check_model(&self, side: Side, r: &RegisterWorker) -> Option<Refusal> {
         let reference = r.model == REFERENCE_MODEL;
+        let engine = r.model.starts_with(libkv::engine::ENGINE_MODEL_PREFIX);
         let wanted = match self.cfg.model_kind {
             ModelKind::Reference if !reference => "the reference model",
-            ModelKind::Gguf if reference => "a GGUF model",
+            ModelKind::Gguf if reference || engine => "a GGUF model",
+            ModelKind::Engine if !engine => "an engine's model (a worker inside vLLM)",
             _ => "",
         };
         if !wanted.is_empty() {
@@ -1974,6 +1976,29 @@ mod tests {
         let mut core = Core::new(config(8), Generation(1));
         assert!(register_model(&mut core, 10, "p0", Role::Prefill, "smol:1:2").is_err());
         assert!(register_model(&mut core, 11, "p0", Role::Prefill, REFERENCE_MODEL).is_ok());
+    }
+
+    #[test]
+    fn an_engine_control_plane_registers_only_workers_inside_an_engine() {
+        let mut cfg = config(8);
+        cfg.model_kind = ModelKind::Engine;
+        let mut core = Core::new(cfg, Generation(1));
+        for model in [REFERENCE_MODEL, "smol:98362432:0a0b0c0d"] {
+            let Err(Refusal::Misconfigured(msg)) =
+                register_model(&mut core, 10, "p0", Role::Prefill, model)
+            else {
+                panic!("{model} registered with an engine control plane");
+            };
+            assert!(msg.contains("an engine's model"), "{msg}");
+        }
+        assert!(register_model(&mut core, 11, "p0", Role::Prefill, "engine:vllm:smol").is_ok());
+        assert!(register_model(&mut core, 12, "d0", Role::Decode, "engine:vllm:other").is_err());
+        assert!(register_model(&mut core, 13, "d0", Role::Decode, "engine:vllm:smol").is_ok());
+        // A GGUF control plane refuses an engine's worker.
+        let mut cfg = config(8);
+        cfg.model_kind = ModelKind::Gguf;
+        let mut core = Core::new(cfg, Generation(1));
+        assert!(register_model(&mut core, 10, "p0", Role::Prefill, "engine:vllm:smol").is_err());
     }
 
     #[test]
