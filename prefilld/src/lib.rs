@@ -288,6 +288,16 @@ impl Prefill {
             .map(|i| grant.page_mut(i).map(|p| page_digest(p)))
             .collect::<Result<Vec<u32>, PoolError>>()
             .map_err(ModelError::Pool)?;
+        #[cfg(feature = "fault-injection")]
+        if fault_active("corrupt-page-once")
+            && !CORRUPTED.swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            // A page changed after its digest, once per process: what a bad link, a stray
+            // DMA or a buggy kernel would do. decoded's digest check must catch it.
+            let page = grant.page_mut(0).map_err(ModelError::Pool)?;
+            page[0] ^= 0x40;
+            log::warn!("fault corrupt-page-once: flipped a bit of {owner}'s first page");
+        }
         Ok(Some((grant.pages().to_vec(), digests)))
     }
 
@@ -451,6 +461,10 @@ impl Worker for Prefill {
         self.settle(link);
     }
 }
+
+/// Set once `corrupt-page-once` has corrupted its page.
+#[cfg(feature = "fault-injection")]
+static CORRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Whether the fault `name` is switched on in `KVFENCE_FAULT` (comma-separated). Only in
 /// builds with the `fault-injection` feature, which exist to show that the isolation suite
