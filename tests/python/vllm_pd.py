@@ -55,6 +55,16 @@ def post(url, body, headers=None, timeout=300):
         return e.code, json.loads(e.read() or b"{}"), dict(e.headers)
 
 
+def wait_for(cond, seconds):
+    """Whether `cond()` holds within `seconds` (polled)."""
+    deadline = time.time() + seconds
+    while not cond():
+        if time.time() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def get(url, timeout=5):
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read().decode()
@@ -171,8 +181,8 @@ def completion(url, prompt, tenant, max_tokens=MAX_NEW):
 
 
 def tokens_of(reply):
-    """The generated token ids, from the logprobs vLLM returns as 'token_id:N' strings when
-    asked for ids (return_tokens_as_token_ids), else the text."""
+    """The generated text (greedy: the same tokens give the same text; the callers compare
+    the completion token counts too)."""
     choice = reply["choices"][0]
     return choice["text"]
 
@@ -284,6 +294,20 @@ def main():
             if s != 200 or tokens_of(want) != tokens_of(got):
                 failures.append(f"after the rejection, {tenant}'s request: {s} {got}")
         print("after the rejection: other tenants' requests checked")
+
+        # 4. a request at the decode vLLM itself naming an owner whose KV decoded never
+        # verified (kvctld never admitted it): its blocks fail to load and it errors; it
+        # never decodes from them.
+        forged = {"model": "smollm2", "prompt": prompts[4], "max_tokens": MAX_NEW,
+                  "temperature": 0,
+                  "kv_transfer_params": {"kvfence": {"request": 987654321, "generation": 1}}}
+        s, body, _ = post(urls["decode"] + "/v1/completions", forged)
+        print(f"forged owner at the decode vLLM: {s} {json.dumps(body)[:200]}")
+        log = os.path.join(stack.work, "decode.log")
+        if s == 200:
+            failures.append(f"the decode vLLM answered a forged owner: {body}")
+        elif not wait_for(lambda: "due to KV load failure" in open(log).read(), 10):
+            failures.append(f"the forged owner's {s} is not vLLM's KV load failure ({log})")
 
         # 4. transfer + verify as a share of time to first token.
         shares, ttfts, handoffs = [], [], []
