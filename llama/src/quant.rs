@@ -61,12 +61,15 @@ impl QuantKind {
 }
 
 /// A row-major `[rows][cols]` matrix of quantized blocks, rows a whole number of blocks.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq)]
 pub struct QuantMatrix {
     kind: QuantKind,
     rows: usize,
     cols: usize,
     bytes: Vec<u8>,
+    /// Each block's f16 scale and (Q4_1) minimum, widened to f32 once here (exactly), so
+    /// that a kernel broadcasts them from memory instead of converting per block.
+    scales: Vec<[f32; 2]>,
 }
 
 impl std::fmt::Debug for QuantMatrix {
@@ -85,11 +88,16 @@ impl QuantMatrix {
     pub fn new(kind: QuantKind, rows: usize, cols: usize, bytes: Vec<u8>) -> Option<QuantMatrix> {
         let row_bytes =
             (cols.is_multiple_of(BLOCK) && cols > 0).then(|| cols / BLOCK * kind.block_bytes())?;
-        (rows.checked_mul(row_bytes)? == bytes.len()).then_some(QuantMatrix {
+        if rows.checked_mul(row_bytes)? != bytes.len() {
+            return None;
+        }
+        let scales = block_scales(kind, &bytes);
+        Some(QuantMatrix {
             kind,
             rows,
             cols,
             bytes,
+            scales,
         })
     }
 
@@ -115,20 +123,50 @@ impl QuantMatrix {
         &self.bytes[r * rb..(r + 1) * rb]
     }
 
+    /// Row `r`'s blocks' scales (see [`QuantMatrix::scales`]).
+    fn row_scales(&self, r: usize) -> &[[f32; 2]] {
+        let n = self.cols / BLOCK;
+        &self.scales[r * n..(r + 1) * n]
+    }
+
     /// The same matrix with its rows reordered: row `i` of the result is row `from[i]`.
     pub fn permute_rows(&self, from: impl Fn(usize) -> usize) -> QuantMatrix {
         let mut bytes = Vec::with_capacity(self.bytes.len());
+        let mut scales = Vec::with_capacity(self.scales.len());
         for i in 0..self.rows {
             bytes.extend_from_slice(self.row(from(i)));
+            scales.extend_from_slice(self.row_scales(from(i)));
         }
-        QuantMatrix { bytes, ..*self }
+        QuantMatrix {
+            bytes,
+            scales,
+            ..*self
+        }
     }
 
     /// Row `r` dequantized into `out` (`cols` long): [`crate::gguf::dequantize_into`]'s
-    /// values, with the same arithmetic in registers where `SIMD`.
+    /// values, with the same arithmetic in registers where `SIMD` (512-bit ones where
+    /// `WIDE_REGS`).
     #[inline(always)]
-    fn dequantize_row<const SIMD: bool>(&self, r: usize, out: &mut [f32]) {
+    fn dequantize_row<const SIMD: bool, const WIDE_REGS: bool>(&self, r: usize, out: &mut [f32]) {
         let row = self.row(r);
+        #[cfg(target_arch = "x86_64")]
+        if SIMD && WIDE_REGS {
+            let bytes = self.kind.block_bytes();
+            let blocks = row.chunks_exact(bytes).zip(self.row_scales(r));
+            for ((b, &[d, m]), y) in blocks.zip(out.chunks_exact_mut(BLOCK)) {
+                // SAFETY: WIDE_REGS is set only inside a function compiled for AVX-512F
+                // (and AVX2, FMA, F16C), called once the CPU is known to have them; `b` is
+                // a whole block and `y` 32 values.
+                unsafe {
+                    match self.kind {
+                        QuantKind::Q4_1 => simd::q4_1_block_wide(b, d, m, y),
+                        QuantKind::Q8_0 => simd::q8_0_block_wide(b, d, y),
+                    }
+                }
+            }
+            return;
+        }
         #[cfg(target_arch = "x86_64")]
         if SIMD {
             let bytes = self.kind.block_bytes();
@@ -151,6 +189,19 @@ impl QuantMatrix {
             unreachable!("a row of whole blocks");
         }
     }
+}
+
+/// Each block's `[d, m]` (Q4_1) or `[d, 0]` (Q8_0), as [`crate::gguf::dequantize_into`]
+/// widens them.
+fn block_scales(kind: QuantKind, bytes: &[u8]) -> Vec<[f32; 2]> {
+    let f16 = |lo, hi| half::f16::from_bits(u16::from_le_bytes([lo, hi])).to_f32();
+    bytes
+        .chunks_exact(kind.block_bytes())
+        .map(|b| match kind {
+            QuantKind::Q4_1 => [f16(b[0], b[1]), f16(b[2], b[3])],
+            QuantKind::Q8_0 => [f16(b[0], b[1]), 0.0],
+        })
+        .collect()
 }
 
 /// A decode weight matrix: f32 (as loaded) or the file's quantized blocks.
@@ -316,9 +367,16 @@ fn matvec_body<const SIMD: bool, const WIDE_REGS: bool>(
         && let (Mat::Quant(q), [x]) = (m, xs)
     {
         for (i, r) in rows.enumerate() {
-            // SAFETY: SIMD is set only in functions compiled for AVX2, FMA and F16C, called
-            // once the CPU is known to have them; `x` is as long as a row.
-            out[i] = unsafe { simd::dot_blocks(q.kind, q.row(r), x) };
+            // SAFETY: SIMD is set only in functions compiled for AVX2, FMA and F16C, and
+            // WIDE_REGS only in one compiled for AVX-512F too, called once the CPU is known
+            // to have them; `x` is as long as a row.
+            out[i] = unsafe {
+                if WIDE_REGS {
+                    simd::dot_blocks_wide(q.kind, q.row(r), q.row_scales(r), x)
+                } else {
+                    simd::dot_blocks(q.kind, q.row(r), x)
+                }
+            };
         }
         return;
     }
@@ -327,6 +385,13 @@ fn matvec_body<const SIMD: bool, const WIDE_REGS: bool>(
     let mut bufs: [Vec<f32>; 4] = std::array::from_fn(|_| vec![0f32; len]);
     let many = SIMD && WIDE_REGS && cols >= WIDE && xs.len() > 1;
     let four = many && cols.is_multiple_of(32);
+    // Four rows at a time take the vectors in pairs, each pair interleaved once here for
+    // all the rows (see `dots4`).
+    let pairs = if four {
+        interleave_pairs(xs)
+    } else {
+        Vec::new()
+    };
     let (start, end) = (rows.start, rows.end);
     let mut r = start;
     while r < end {
@@ -334,19 +399,22 @@ fn matvec_body<const SIMD: bool, const WIDE_REGS: bool>(
         let [b0, b1, b2, b3] = &mut bufs;
         if four && r + 3 < end {
             let rs = [
-                row::<SIMD>(m, r, b0),
-                row::<SIMD>(m, r + 1, b1),
-                row::<SIMD>(m, r + 2, b2),
-                row::<SIMD>(m, r + 3, b3),
+                row::<SIMD, WIDE_REGS>(m, r, b0),
+                row::<SIMD, WIDE_REGS>(m, r + 1, b1),
+                row::<SIMD, WIDE_REGS>(m, r + 2, b2),
+                row::<SIMD, WIDE_REGS>(m, r + 3, b3),
             ];
-            dots4::<SIMD, WIDE_REGS>(rs, xs, &mut out[i..], stride);
+            dots4::<SIMD, WIDE_REGS>(rs, &pairs, xs.len(), &mut out[i..], stride);
             r += 4;
         } else if many && r + 1 < end {
-            let (r0, r1) = (row::<SIMD>(m, r, b0), row::<SIMD>(m, r + 1, b1));
+            let (r0, r1) = (
+                row::<SIMD, WIDE_REGS>(m, r, b0),
+                row::<SIMD, WIDE_REGS>(m, r + 1, b1),
+            );
             dots2::<SIMD, WIDE_REGS>(r0, r1, xs, &mut out[i..], stride);
             r += 2;
         } else {
-            dots::<SIMD>(row::<SIMD>(m, r, b0), xs, &mut out[i..], stride);
+            dots::<SIMD>(row::<SIMD, WIDE_REGS>(m, r, b0), xs, &mut out[i..], stride);
             r += 1;
         }
     }
@@ -355,11 +423,15 @@ fn matvec_body<const SIMD: bool, const WIDE_REGS: bool>(
 /// Row `r` of `m`: in place for f32, dequantized into `buf` for blocks. (A function, not a
 /// closure: closures do not inherit the target features of the kernels that inline this.)
 #[inline(always)]
-fn row<'a, const SIMD: bool>(m: Mat<'a>, r: usize, buf: &'a mut [f32]) -> &'a [f32] {
+fn row<'a, const SIMD: bool, const WIDE_REGS: bool>(
+    m: Mat<'a>,
+    r: usize,
+    buf: &'a mut [f32],
+) -> &'a [f32] {
     match m {
         Mat::F32 { w, cols } => &w[r * cols..(r + 1) * cols],
         Mat::Quant(q) => {
-            q.dequantize_row::<SIMD>(r, buf);
+            q.dequantize_row::<SIMD, WIDE_REGS>(r, buf);
             buf
         }
     }
@@ -395,41 +467,86 @@ fn dots<const SIMD: bool>(row: &[f32], xs: &[&[f32]], out: &mut [f32], stride: u
     }
 }
 
-/// [`dots`] of four rows: `out[b * stride + k]` from `r[k]`. Only where `WIDE_REGS`, on
-/// rows of whole 32-value blocks.
+/// The vectors two by two, each pair in one buffer of eight-value chunks, `a`'s chunk then
+/// `b`'s (`[a0..a8, b0..b8, a8..a16, b8..b16, ...]`), so that one 512-bit load holds the
+/// same eight columns of both; an odd last vector is paired with itself.
+fn interleave_pairs(xs: &[&[f32]]) -> Vec<Vec<f32>> {
+    xs.chunks(2)
+        .map(|pair| {
+            let (a, b) = (pair[0], pair[pair.len() - 1]);
+            let mut out = Vec::with_capacity(2 * a.len());
+            for (ca, cb) in a.chunks(8).zip(b.chunks(8)) {
+                out.extend_from_slice(ca);
+                out.extend_from_slice(cb);
+            }
+            out
+        })
+        .collect()
+}
+
+/// [`dots`] of four rows against `n` vectors, given as [`interleave_pairs`]:
+/// `out[b * stride + k]` from `r[k]`. Only where `WIDE_REGS`, on rows of whole 32-value
+/// blocks; up to four pairs (eight vectors) share each load of the rows.
 #[inline(always)]
 fn dots4<const SIMD: bool, const WIDE_REGS: bool>(
     r: [&[f32]; 4],
-    xs: &[&[f32]],
+    pairs: &[Vec<f32>],
+    n: usize,
     out: &mut [f32],
     stride: usize,
 ) {
     #[cfg(target_arch = "x86_64")]
     if SIMD && WIDE_REGS {
-        let mut pairs = xs.chunks_exact(2);
-        let mut at = 0;
-        for pair in pairs.by_ref() {
+        let mut first = 0;
+        for group in pairs.chunks(4) {
             // SAFETY: WIDE_REGS is set only in `matvec_avx512`, compiled for AVX-512F/VL
-            // and called once the CPU is known to have them; every row and vector is the
-            // same whole number of blocks long (`matvec_strided`, `matvec_body`).
-            let d = unsafe { simd::dot4x2(r, pair[0], pair[1]) };
-            for (k, [a, b]) in d.into_iter().enumerate() {
-                out[at + k] = a;
-                out[at + stride + k] = b;
+            // and called once the CPU is known to have them; every row is the same whole
+            // number of blocks long and every pair twice that (`matvec_strided`,
+            // `matvec_body`, `interleave_pairs`).
+            unsafe {
+                match group {
+                    [p0] => dots4_group([p0], r, first, n, out, stride),
+                    [p0, p1] => dots4_group([p0, p1], r, first, n, out, stride),
+                    [p0, p1, p2] => dots4_group([p0, p1, p2], r, first, n, out, stride),
+                    [p0, p1, p2, p3] => dots4_group([p0, p1, p2, p3], r, first, n, out, stride),
+                    _ => unreachable!("chunks of one to four"),
+                }
             }
-            at += 2 * stride;
-        }
-        if let [x] = pairs.remainder() {
-            // SAFETY: as above.
-            let d = unsafe { simd::dot4x2(r, x, x) };
-            for (k, [a, _]) in d.into_iter().enumerate() {
-                out[at + k] = a;
-            }
+            first += 2 * group.len();
         }
         return;
     }
-    dots2::<SIMD, WIDE_REGS>(r[0], r[1], xs, out, stride);
-    dots2::<SIMD, WIDE_REGS>(r[2], r[3], xs, &mut out[2..], stride);
+    let _ = (pairs, n, r, out, stride);
+    unreachable!("four rows at a time only with 32 registers");
+}
+
+/// [`dots4`] for the `P` pairs `group`, whose first vector is vector `first` of `n`.
+///
+/// # Safety
+///
+/// As [`simd::dots4xp`].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn dots4_group<const P: usize>(
+    group: [&Vec<f32>; P],
+    r: [&[f32]; 4],
+    first: usize,
+    n: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    // SAFETY: the caller's promise.
+    let d = unsafe { simd::dots4xp(group.map(Vec::as_slice), r) };
+    for (p, rows) in d.iter().enumerate() {
+        for half in 0..2 {
+            let b = first + 2 * p + half;
+            if b < n {
+                for (k, v) in rows.iter().enumerate() {
+                    out[b * stride + k] = v[half];
+                }
+            }
+        }
+    }
 }
 
 /// [`dots`] of two rows: `out[b * stride]` from `r0`, `out[b * stride + 1]` from `r1`.
@@ -520,51 +637,74 @@ mod simd {
         }
     }
 
-    /// `[[r[k] · a, r[k] · b]; 4]`, each summed as [`dot2`] sums it, two at a time: a
-    /// 512-bit register holds the eight lanes of one accumulator of `r[k] · a` in its low
-    /// half and those of `r[k] · b` in its high half, and one 512-bit multiply-add does the
-    /// work of two 256-bit ones, lane by lane the same arithmetic.
+    /// `[[[r[k] · a_p, r[k] · b_p]; 4]; P]` for the `P` interleaved pairs `(a_p, b_p)` of
+    /// `pairs` (`super::interleave_pairs`), each summed as [`dot2`] sums it. A 512-bit
+    /// register holds the eight lanes of one accumulator of `r[k] · a_p` in its low half and
+    /// those of `r[k] · b_p` in its high half, so one 512-bit multiply-add does the work of
+    /// two 256-bit ones, lane by lane the same arithmetic. [`dot2`]'s four accumulators are
+    /// independent chains (columns `32 j + 8 c ..`, chain `c`), so they are run one after the
+    /// other: `4 P` registers accumulate at a time, and each load of a row's eight values
+    /// serves `P` multiply-adds.
     ///
     /// # Safety
     ///
-    /// The CPU has AVX-512F; every row, `a` and `b` are `r[0].len()` long, a multiple of 32.
+    /// The CPU has AVX-512F; every row is `r[0].len()` long, a multiple of 32, and every
+    /// pair twice that.
+    /// Columns [`dots4xp`] takes at a time, a multiple of 32: four rows and four pairs of
+    /// them are 24 KiB.
+    const TILE: usize = 256;
+
     #[inline(always)]
-    pub(super) unsafe fn dot4x2(r: [&[f32]; 4], a: &[f32], b: &[f32]) -> [[f32; 2]; 4] {
+    pub(super) unsafe fn dots4xp<const P: usize>(
+        pairs: [&[f32]; P],
+        r: [&[f32]; 4],
+    ) -> [[[f32; 2]; 4]; P] {
         let n = r[0].len();
-        debug_assert!(n.is_multiple_of(32) && a.len() >= n && b.len() >= n);
-        debug_assert!(r.iter().all(|r| r.len() >= n));
-        let w = [r[0].as_ptr(), r[1].as_ptr(), r[2].as_ptr(), r[3].as_ptr()];
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
-        // SAFETY: every load reads below `n` from its slice (lengths above); the features
-        // are the caller's promise.
+        debug_assert!(n.is_multiple_of(32) && r.iter().all(|r| r.len() >= n));
+        debug_assert!(pairs.iter().all(|p| p.len() >= 2 * n));
+        let w = r.map(<[f32]>::as_ptr);
+        let x = pairs.map(<[f32]>::as_ptr);
+        // SAFETY: every load reads below `n` from a row and below `2 n` from a pair
+        // (lengths above); the features are the caller's promise.
         unsafe {
-            let mut acc = [[_mm512_setzero_ps(); 4]; 4];
-            let mut j = 0;
-            while j < n {
-                for k in 0..4 {
-                    let lo = _mm512_castps256_ps512(_mm256_loadu_ps(pa.add(j + 8 * k)));
-                    let x = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
-                        _mm512_castps_pd(lo),
-                        _mm256_castps_pd(_mm256_loadu_ps(pb.add(j + 8 * k))),
-                    ));
-                    for (acc, w) in acc.iter_mut().zip(w) {
-                        let v = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(
-                            _mm256_loadu_ps(w.add(j + 8 * k)),
-                        )));
-                        acc[k] = _mm512_fmadd_ps(v, x, acc[k]);
+            // chains[c][p][k]: chain c of row k against pair p. The columns go in tiles
+            // whose rows and pairs stay in L1 while each chain passes over them.
+            let mut chains = [[[_mm512_setzero_ps(); 4]; P]; 4];
+            for t in (0..n).step_by(TILE) {
+                let end = (t + TILE).min(n);
+                for (c, chain) in chains.iter_mut().enumerate() {
+                    let mut acc = *chain;
+                    let mut j = t + 8 * c;
+                    while j < end {
+                        let mut xv = [_mm512_setzero_ps(); P];
+                        for (v, x) in xv.iter_mut().zip(x) {
+                            *v = _mm512_loadu_ps(x.add(2 * j));
+                        }
+                        for (k, w) in w.iter().enumerate() {
+                            let wv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(
+                                _mm256_loadu_ps(w.add(j)),
+                            )));
+                            for (acc, xv) in acc.iter_mut().zip(&xv) {
+                                acc[k] = _mm512_fmadd_ps(wv, *xv, acc[k]);
+                            }
+                        }
+                        j += 32;
                     }
+                    *chain = acc;
                 }
-                j += 32;
             }
-            let mut out = [[0f32; 2]; 4];
-            for (o, acc) in out.iter_mut().zip(acc) {
-                // No closures (they do not inherit the target features).
-                let (mut lo, mut hi) = ([_mm256_setzero_ps(); 4], [_mm256_setzero_ps(); 4]);
-                for k in 0..4 {
-                    lo[k] = _mm512_castps512_ps256(acc[k]);
-                    hi[k] = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc[k])));
+            let mut out = [[[0f32; 2]; 4]; P];
+            for (p, o) in out.iter_mut().enumerate() {
+                for (k, o) in o.iter_mut().enumerate() {
+                    // No closures (they do not inherit the target features).
+                    let (mut lo, mut hi) = ([_mm256_setzero_ps(); 4], [_mm256_setzero_ps(); 4]);
+                    for c in 0..4 {
+                        let v = chains[c][p][k];
+                        lo[c] = _mm512_castps512_ps256(v);
+                        hi[c] = high_half(v);
+                    }
+                    *o = [reduce(lo), reduce(hi)];
                 }
-                *o = [reduce(lo), reduce(hi)];
             }
             out
         }
@@ -596,6 +736,101 @@ mod simd {
                 }
             }
             reduce(acc)
+        }
+    }
+
+    /// [`dot_blocks`] on AVX-512: a block is dequantized into two 512-bit registers (half
+    /// the conversions and shuffles), and one holds [`dot2`]'s accumulators 0 and 1 in its
+    /// halves, the other 2 and 3: lane by lane the same arithmetic.
+    ///
+    /// # Safety
+    ///
+    /// As [`dot_blocks`], and the CPU has AVX-512F.
+    #[inline(always)]
+    pub(super) unsafe fn dot_blocks_wide(
+        kind: super::QuantKind,
+        blocks: &[u8],
+        scales: &[[f32; 2]],
+        x: &[f32],
+    ) -> f32 {
+        let bytes = kind.block_bytes();
+        debug_assert!(x.len() >= blocks.len() / bytes * 32);
+        debug_assert_eq!(scales.len(), blocks.len() / bytes);
+        let px = x.as_ptr();
+        // SAFETY: block `i` reads `x[32 i..32 i + 32]`, inside `x` (above); the features
+        // are the caller's promise.
+        unsafe {
+            let (mut a01, mut a23) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            for (i, (b, &[d, m])) in blocks.chunks_exact(bytes).zip(scales).enumerate() {
+                let [w01, w23] = match kind {
+                    super::QuantKind::Q4_1 => q4_1_wide(b, d, m),
+                    super::QuantKind::Q8_0 => q8_0_wide(b, d),
+                };
+                a01 = _mm512_fmadd_ps(w01, _mm512_loadu_ps(px.add(32 * i)), a01);
+                a23 = _mm512_fmadd_ps(w23, _mm512_loadu_ps(px.add(32 * i + 16)), a23);
+            }
+            reduce([
+                _mm512_castps512_ps256(a01),
+                high_half(a01),
+                _mm512_castps512_ps256(a23),
+                high_half(a23),
+            ])
+        }
+    }
+
+    /// The high eight lanes of `v`.
+    #[inline(always)]
+    unsafe fn high_half(v: __m512) -> __m256 {
+        // SAFETY: register arithmetic only; AVX-512F is the caller's promise.
+        unsafe { _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))) }
+    }
+
+    /// A Q4_1 block's 32 weights in two registers of sixteen: [`q4_1_regs`]'s values, given
+    /// the block's scale `d` and minimum `m` widened.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512F; `b` is a 20-byte Q4_1 block.
+    #[inline(always)]
+    unsafe fn q4_1_wide(b: &[u8], d: f32, m: f32) -> [__m512; 2] {
+        debug_assert!(b.len() >= 20);
+        // SAFETY: the length above bounds the loads; the features are the caller's promise.
+        unsafe {
+            let (d, m) = (_mm512_set1_ps(d), _mm512_set1_ps(m));
+            let q = _mm_loadu_si128(b.as_ptr().add(4).cast());
+            let mask = _mm_set1_epi8(0x0F);
+            let lo = _mm_and_si128(q, mask);
+            let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
+            // No closures here: a closure does not inherit its function's target features.
+            let (lo, hi) = (
+                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)),
+                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)),
+            );
+            [
+                _mm512_add_ps(_mm512_mul_ps(lo, d), m),
+                _mm512_add_ps(_mm512_mul_ps(hi, d), m),
+            ]
+        }
+    }
+
+    /// A Q8_0 block's 32 weights in two registers of sixteen: [`q8_0_regs`]'s values, given
+    /// the block's scale `d` widened.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512F; `b` is a 34-byte Q8_0 block.
+    #[inline(always)]
+    unsafe fn q8_0_wide(b: &[u8], d: f32) -> [__m512; 2] {
+        debug_assert!(b.len() >= 34);
+        // SAFETY: as in `q4_1_wide`.
+        unsafe {
+            let d = _mm512_set1_ps(d);
+            let q0 = _mm_loadu_si128(b.as_ptr().add(2).cast());
+            let q1 = _mm_loadu_si128(b.as_ptr().add(18).cast());
+            [
+                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d),
+                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d),
+            ]
         }
     }
 
@@ -754,6 +989,38 @@ mod simd {
         unsafe { store(q8_0_regs(b), y) }
     }
 
+    /// # Safety
+    ///
+    /// The CPU has AVX-512F; `b` is a 20-byte Q4_1 block with scale `d` and minimum `m`,
+    /// `y` at least 32 values.
+    #[inline(always)]
+    pub(super) unsafe fn q4_1_block_wide(b: &[u8], d: f32, m: f32, y: &mut [f32]) {
+        debug_assert!(y.len() >= 32);
+        // SAFETY: the caller's promise is `q4_1_wide`'s; `y` holds the 32 values stored.
+        unsafe { store_wide(q4_1_wide(b, d, m), y) }
+    }
+
+    /// # Safety
+    ///
+    /// The CPU has AVX-512F; `b` is a 34-byte Q8_0 block with scale `d`, `y` at least 32
+    /// values.
+    #[inline(always)]
+    pub(super) unsafe fn q8_0_block_wide(b: &[u8], d: f32, y: &mut [f32]) {
+        debug_assert!(y.len() >= 32);
+        // SAFETY: as in `q4_1_block_wide`.
+        unsafe { store_wide(q8_0_wide(b, d), y) }
+    }
+
+    #[inline(always)]
+    unsafe fn store_wide(w: [__m512; 2], y: &mut [f32]) {
+        // SAFETY: `y` holds at least 32 values (the callers' check); AVX-512F is their
+        // promise.
+        unsafe {
+            _mm512_storeu_ps(y.as_mut_ptr(), w[0]);
+            _mm512_storeu_ps(y.as_mut_ptr().add(16), w[1]);
+        }
+    }
+
     #[inline(always)]
     unsafe fn store(w: [__m256; 4], y: &mut [f32]) {
         // SAFETY: `y` holds at least 32 values (the callers' check); AVX is their promise.
@@ -808,7 +1075,7 @@ mod tests {
                 let mut f = vec![0f32; rows * cols];
                 dequantize_into(ggml, &bytes, &mut f).unwrap();
                 let q = QuantMatrix::new(kind, rows, cols, bytes).unwrap();
-                for vectors in [1, 2, 3, 5] {
+                for vectors in [1, 2, 3, 5, 8, 9, 16] {
                     let xs: Vec<Vec<f32>> = (0..vectors)
                         .map(|_| {
                             (0..cols)
@@ -871,14 +1138,19 @@ mod tests {
     #[test]
     fn permuted_rows_move_whole() {
         let mut seed = 3;
-        let bytes = blocks(QuantKind::Q8_0, 4, 64, &mut seed);
-        let q = QuantMatrix::new(QuantKind::Q8_0, 4, 64, bytes).unwrap();
-        let p = q.permute_rows(|i| 3 - i);
-        let (mut a, mut b) = (vec![0f32; 64], vec![0f32; 64]);
-        for r in 0..4 {
-            q.dequantize_row::<false>(3 - r, &mut a);
-            p.dequantize_row::<false>(r, &mut b);
-            assert_eq!(a, b);
+        for kind in [QuantKind::Q8_0, QuantKind::Q4_1] {
+            let bytes = blocks(kind, 4, 64, &mut seed);
+            let q = QuantMatrix::new(kind, 4, 64, bytes).unwrap();
+            let p = q.permute_rows(|i| 3 - i);
+            let (mut a, mut b) = (vec![0f32; 64], vec![0f32; 64]);
+            for r in 0..4 {
+                q.dequantize_row::<false, false>(3 - r, &mut a);
+                p.dequantize_row::<false, false>(r, &mut b);
+                assert_eq!(a, b);
+                // The widened scales move with their blocks, and are the blocks' own.
+                assert_eq!(q.row_scales(3 - r), p.row_scales(r));
+                assert_eq!(p, QuantMatrix::new(kind, 4, 64, p.bytes.clone()).unwrap());
+            }
         }
     }
 }
