@@ -14,11 +14,7 @@ cd "$(dirname "$0")/.."
 rounds=${1:-3}
 venv=${LLAMACPP_VENV:-target/llamacpp-venv}
 model=$(scripts/fetch-model)
-if ! "$venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
-  echo "building llama-cpp-python 0.3.36 into $venv (a C++ build: several minutes)" >&2
-  python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet llama-cpp-python==0.3.36 numpy
-fi
+scripts/llamacpp-env >/dev/null  # builds llama.cpp's binding into $venv if missing
 cargo build --release --quiet -p kvfence-tests --bin kvllmbench
 
 llamacpp() { # threads

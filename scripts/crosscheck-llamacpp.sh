@@ -13,11 +13,7 @@ cd "$(dirname "$0")/.."
 
 venv=${LLAMACPP_VENV:-target/llamacpp-venv}
 model=$(scripts/fetch-model)
-if ! "$venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
-  echo "building llama-cpp-python 0.3.36 into $venv (a C++ build: several minutes)" >&2
-  python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet llama-cpp-python==0.3.36 numpy
-fi
+scripts/llamacpp-env >/dev/null  # builds llama.cpp's binding into $venv if missing
 
 ours=$(mktemp "${TMPDIR:-/tmp}/kvfence-crosscheck.XXXXXX")
 trap 'rm -f "$ours"' EXIT
