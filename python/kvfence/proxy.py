@@ -77,8 +77,14 @@ class Proxy:
         received = time.time_ns() // 1000
         try:
             body = await request.json()
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
             tokens = await self.tokenize(body.get("prompt"))
             max_tokens = int(body.get("max_tokens") or 16)
+            if not 1 <= max_tokens < 2**32:
+                raise ValueError("max_tokens must be a positive integer")
+            if not tokens or not all(0 <= t < 2**32 for t in tokens):
+                raise ValueError("the prompt must be non-empty and its token ids in 0..2^32")
         except (ValueError, TypeError, KeyError, json.JSONDecodeError) as e:
             return error(400, str(e), "bad_request")
         tenant = request.headers.get("X-Kvfence-Tenant", "default")

@@ -295,6 +295,15 @@ def main():
                 failures.append(f"after the rejection, {tenant}'s request: {s} {got}")
         print("after the rejection: other tenants' requests checked")
 
+        # Garbage at the proxy: a clear 400 each, and it keeps serving (the next checks).
+        for bad in ({"model": "smollm2", "prompt": [-1, 5], "max_tokens": 4},
+                    {"model": "smollm2", "prompt": "hi", "max_tokens": -3},
+                    {"model": "smollm2", "prompt": {"x": 1}}, [1, 2]):
+            s, body, _ = post(urls["proxy"] + "/v1/completions", bad)
+            if s != 400:
+                failures.append(f"the proxy answered {bad!r} with {s} {body}, not 400")
+        print("garbage at the proxy: 400s")
+
         # 4. a request at the decode vLLM itself naming an owner whose KV decoded never
         # verified (kvctld never admitted it): its blocks fail to load and it errors; it
         # never decodes from them.
