@@ -32,6 +32,9 @@ it: kvfence's own pages carry the KV between the engines, under kvfence's lifeti
                                    "worker_id": "prefill-0",
                                    "engine_url": "http://127.0.0.1:8100"}}
 
+The decode vLLM's port must be reachable by the proxy alone: an owner is not a secret, and
+verified KV goes to the request that names it (README, "kvfence under vLLM").
+
 ``engine_url`` (prefill only) is the vLLM server the connector runs in. The KV cache must be
 float32 (``--dtype float32``) and prefix caching off on both. With ``KVFENCE_TIMINGS`` set
 to a file, each side appends one JSON line per request with its timings.
