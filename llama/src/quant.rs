@@ -1,11 +1,12 @@
 //! Decode's weight matrices as the model file stores them (Q4_1, Q8_0) and the product of
 //! one matrix with several vectors at once, for a batched decode step.
 //!
-//! Decode is bound by memory: every step reads every weight. Read as f32, SmolLM2-135M's
-//! weights are 540 MB a token; as the file's Q4_1 and Q8_0 blocks they are 98 MB. A
-//! [`QuantMatrix`] keeps the blocks, and `matvec_multi` dequantizes one row at a time
-//! into a buffer that stays in L1, then takes its dot product with each vector of the
-//! batch, so a step reads each weight once from memory whatever the batch size.
+//! Every decode step reads every weight. Read as f32, SmolLM2-135M's weights are 540 MB a
+//! token; as the file's Q4_1 and Q8_0 blocks they are 98 MB. A [`QuantMatrix`] keeps the
+//! blocks, and `matvec_multi` dequantizes each block where it is used, once for several
+//! vectors of the batch, so a step reads each weight once from memory whatever the batch
+//! size. The kernels prefetch the blocks ahead of them: a step streams the whole model
+//! through the cache, faster than the hardware prefetcher alone brings it.
 //!
 //! # Exactness
 //!
@@ -349,9 +350,11 @@ fn matvec_avx512(m: Mat<'_>, xs: &[&[f32]], rows: Range<usize>, out: &mut [f32],
 /// `matvec_strided`'s work. `SIMD` only inside [`matvec_avx2`] and [`matvec_avx512`],
 /// `WIDE_REGS` (32 registers: two rows at once) only inside the latter.
 ///
-/// One vector of a quantized matrix: each block is dequantized into registers and
-/// multiplied there. More: rows are dequantized into buffers that stay in L1 and each
-/// weight loaded from there serves two vectors (and, with 32 registers, two rows).
+/// A quantized matrix on AVX-512: [`blocks_wide`], blocks dequantized into registers for
+/// up to [`GROUP`] vectors at once. On AVX2, one vector: each block dequantized into
+/// registers and multiplied there. Otherwise (f32 rows, or more vectors on AVX2): rows
+/// dequantized into buffers that stay in L1, each weight loaded from there serving two
+/// vectors (and, with 32 registers, two or four rows).
 #[inline(always)]
 fn matvec_body<const SIMD: bool, const WIDE_REGS: bool>(
     m: Mat<'_>,
@@ -364,21 +367,23 @@ fn matvec_body<const SIMD: bool, const WIDE_REGS: bool>(
     #[cfg(target_arch = "x86_64")]
     if SIMD
         && cols >= simd::WIDE
-        && let (Mat::Quant(q), [x]) = (m, xs)
+        && let Mat::Quant(q) = m
     {
-        for (i, r) in rows.enumerate() {
-            // SAFETY: SIMD is set only in functions compiled for AVX2, FMA and F16C, and
-            // WIDE_REGS only in one compiled for AVX-512F too, called once the CPU is known
-            // to have them; `x` is as long as a row.
-            out[i] = unsafe {
-                if WIDE_REGS {
-                    simd::dot_blocks_wide(q.kind, q.row(r), q.row_scales(r), x)
-                } else {
-                    simd::dot_blocks(q.kind, q.row(r), x)
-                }
-            };
+        if WIDE_REGS {
+            // SAFETY: WIDE_REGS is set only inside `matvec_avx512`, compiled for AVX-512F
+            // (and AVX2, FMA, F16C) and called once the CPU is known to have them; every
+            // vector is as long as a row (`matvec_strided`).
+            unsafe { blocks_wide(q, xs, rows, out, stride) };
+            return;
         }
-        return;
+        if let [x] = xs {
+            for (i, r) in rows.enumerate() {
+                // SAFETY: SIMD is set only in functions compiled for AVX2, FMA and F16C,
+                // called once the CPU is known to have them; `x` is as long as a row.
+                out[i] = unsafe { simd::dot_blocks(q.kind, q.row(r), x) };
+            }
+            return;
+        }
     }
     // Dequantized rows land in these; f32 rows are read in place and need none.
     let len = if matches!(m, Mat::Quant(_)) { cols } else { 0 };
@@ -417,6 +422,86 @@ fn matvec_body<const SIMD: bool, const WIDE_REGS: bool>(
             dots::<SIMD>(row::<SIMD, WIDE_REGS>(m, r, b0), xs, &mut out[i..], stride);
             r += 1;
         }
+    }
+}
+
+/// Vectors [`blocks_wide`] multiplies at once: two rows against six vectors are 24
+/// accumulators, and with the rows' four registers of weights that leaves room in 32.
+const GROUP: usize = 6;
+
+/// [`matvec_body`] of a quantized matrix on AVX-512: rows two at a time, each pair's blocks
+/// dequantized into registers once for every [`GROUP`] of vectors (the pair's blocks stay
+/// in L1 from one group to the next), each register of weights serving every vector of
+/// the group.
+///
+/// # Safety
+///
+/// The CPU has AVX-512F, AVX2, FMA and F16C; every vector of `xs` is a row long, at least
+/// [`WIDE`]; `out` holds `out[b * stride + i]` for every vector `b` and row `i` of `rows`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn blocks_wide(
+    q: &QuantMatrix,
+    xs: &[&[f32]],
+    rows: Range<usize>,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let (start, end) = (rows.start, rows.end);
+    let mut r = start;
+    while r < end {
+        let i = r - start;
+        for (g, group) in xs.chunks(GROUP).enumerate() {
+            let out = &mut out[g * GROUP * stride + i..];
+            // SAFETY: the caller's promise.
+            unsafe {
+                match (q.kind, r + 1 < end) {
+                    (QuantKind::Q4_1, true) => rows_group::<false, 2>(q, r, group, out, stride),
+                    (QuantKind::Q4_1, false) => rows_group::<false, 1>(q, r, group, out, stride),
+                    (QuantKind::Q8_0, true) => rows_group::<true, 2>(q, r, group, out, stride),
+                    (QuantKind::Q8_0, false) => rows_group::<true, 1>(q, r, group, out, stride),
+                }
+            }
+        }
+        r += if r + 1 < end { 2 } else { 1 };
+    }
+}
+
+/// Rows `r..r + R` against the vectors `xs` (at most [`GROUP`]): `out[b * stride + k]` is
+/// row `r + k` · `xs[b]`.
+///
+/// # Safety
+///
+/// As [`blocks_wide`]; `Q8` says the matrix is Q8_0 (else Q4_1), and rows `r..r + R` exist.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn rows_group<const Q8: bool, const R: usize>(
+    q: &QuantMatrix,
+    r: usize,
+    xs: &[&[f32]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let blocks: [&[u8]; R] = std::array::from_fn(|k| q.row(r + k));
+    let scales: [&[[f32; 2]]; R] = std::array::from_fn(|k| q.row_scales(r + k));
+    macro_rules! run {
+        ($v:literal) => {{
+            let xs: [&[f32]; $v] = std::array::from_fn(|b| xs[b]);
+            // SAFETY: the caller's promise covers `dot_rows`'.
+            let d = unsafe { simd::dot_rows::<Q8, R, $v>(blocks, scales, xs) };
+            for (b, rows) in d.iter().enumerate() {
+                out[b * stride..b * stride + R].copy_from_slice(rows);
+            }
+        }};
+    }
+    match xs.len() {
+        1 => run!(1),
+        2 => run!(2),
+        3 => run!(3),
+        4 => run!(4),
+        5 => run!(5),
+        6 => run!(6),
+        n => unreachable!("groups of one to {GROUP} vectors, not {n}"),
     }
 }
 
@@ -739,42 +824,74 @@ mod simd {
         }
     }
 
-    /// [`dot_blocks`] on AVX-512: a block is dequantized into two 512-bit registers (half
-    /// the conversions and shuffles), and one holds [`dot2`]'s accumulators 0 and 1 in its
-    /// halves, the other 2 and 3: lane by lane the same arithmetic.
+    /// Blocks a prefetch runs ahead of the kernel that reads them: a decode step reads
+    /// every weight once, from memory, faster than the hardware prefetcher alone fetches.
+    const AHEAD: usize = 96;
+
+    /// `[[row k · xs[b]; R]; V]` for `R` rows of quantized blocks (Q8_0 if `Q8`, else
+    /// Q4_1; scales widened as [`super::QuantMatrix`] keeps them): each block is
+    /// dequantized into two 512-bit registers once for all `V` vectors, and summed as
+    /// [`dot_blocks`] sums (one register holds its accumulators 0 and 1 in its halves, the
+    /// other 2 and 3: lane by lane the same arithmetic, the same tree at the end).
     ///
     /// # Safety
     ///
-    /// As [`dot_blocks`], and the CPU has AVX-512F.
+    /// The CPU has AVX-512F, AVX2 and FMA; every row is as many blocks as `scales[k]`
+    /// holds, all rows alike, and every vector 32 values per block.
     #[inline(always)]
-    pub(super) unsafe fn dot_blocks_wide(
-        kind: super::QuantKind,
-        blocks: &[u8],
-        scales: &[[f32; 2]],
-        x: &[f32],
-    ) -> f32 {
-        let bytes = kind.block_bytes();
-        debug_assert!(x.len() >= blocks.len() / bytes * 32);
-        debug_assert_eq!(scales.len(), blocks.len() / bytes);
-        let px = x.as_ptr();
-        // SAFETY: block `i` reads `x[32 i..32 i + 32]`, inside `x` (above); the features
-        // are the caller's promise.
+    pub(super) unsafe fn dot_rows<const Q8: bool, const R: usize, const V: usize>(
+        blocks: [&[u8]; R],
+        scales: [&[[f32; 2]]; R],
+        xs: [&[f32]; V],
+    ) -> [[f32; R]; V] {
+        let bytes = if Q8 { 34 } else { 20 };
+        let n = scales[0].len();
+        debug_assert!((0..R).all(|k| scales[k].len() == n && blocks[k].len() == n * bytes));
+        debug_assert!(xs.iter().all(|x| x.len() >= 32 * n));
+        let px = xs.map(<[f32]>::as_ptr);
+        // SAFETY: block `i` of each row is `bytes` long and reads `x[32 i..32 i + 32]`,
+        // inside every vector (above); a prefetch never faults, and its address is only
+        // computed (`wrapping_add`); the features are the caller's promise.
         unsafe {
-            let (mut a01, mut a23) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-            for (i, (b, &[d, m])) in blocks.chunks_exact(bytes).zip(scales).enumerate() {
-                let [w01, w23] = match kind {
-                    super::QuantKind::Q4_1 => q4_1_wide(b, d, m),
-                    super::QuantKind::Q8_0 => q8_0_wide(b, d),
-                };
-                a01 = _mm512_fmadd_ps(w01, _mm512_loadu_ps(px.add(32 * i)), a01);
-                a23 = _mm512_fmadd_ps(w23, _mm512_loadu_ps(px.add(32 * i + 16)), a23);
+            let mut acc = [[[_mm512_setzero_ps(); 2]; R]; V];
+            for i in 0..n {
+                let mut w = [[_mm512_setzero_ps(); 2]; R];
+                for k in 0..R {
+                    let b = blocks[k].as_ptr().add(i * bytes);
+                    _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(AHEAD * bytes).cast());
+                    let s = scales[k].as_ptr().add(i);
+                    _mm_prefetch::<_MM_HINT_T0>(s.wrapping_add(AHEAD).cast());
+                    let [d, m] = *s;
+                    let b = std::slice::from_raw_parts(b, bytes);
+                    w[k] = if Q8 {
+                        q8_0_wide(b, d)
+                    } else {
+                        q4_1_wide(b, d, m)
+                    };
+                }
+                for (acc, x) in acc.iter_mut().zip(px) {
+                    let (x01, x23) = (
+                        _mm512_loadu_ps(x.add(32 * i)),
+                        _mm512_loadu_ps(x.add(32 * i + 16)),
+                    );
+                    for (acc, w) in acc.iter_mut().zip(&w) {
+                        acc[0] = _mm512_fmadd_ps(w[0], x01, acc[0]);
+                        acc[1] = _mm512_fmadd_ps(w[1], x23, acc[1]);
+                    }
+                }
             }
-            reduce([
-                _mm512_castps512_ps256(a01),
-                high_half(a01),
-                _mm512_castps512_ps256(a23),
-                high_half(a23),
-            ])
+            let mut out = [[0f32; R]; V];
+            for (out, acc) in out.iter_mut().zip(&acc) {
+                for (o, [a01, a23]) in out.iter_mut().zip(acc) {
+                    *o = reduce([
+                        _mm512_castps512_ps256(*a01),
+                        high_half(*a01),
+                        _mm512_castps512_ps256(*a23),
+                        high_half(*a23),
+                    ]);
+                }
+            }
+            out
         }
     }
 
@@ -806,10 +923,10 @@ mod simd {
                 _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)),
                 _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)),
             );
-            [
-                _mm512_add_ps(_mm512_mul_ps(lo, d), m),
-                _mm512_add_ps(_mm512_mul_ps(hi, d), m),
-            ]
+            // One fused multiply-add is the unfused product and sum bit for bit: `q d` is
+            // exact in f32 (a 4-bit integer times an f16's 11 significant bits), so only
+            // the sum rounds, once, either way.
+            [_mm512_fmadd_ps(lo, d, m), _mm512_fmadd_ps(hi, d, m)]
         }
     }
 
