@@ -677,9 +677,21 @@ impl LlamaRunner {
                 ..((g + 1) * group).min(heads.end) - heads.start
         };
         let mut buf = vec![0f32; tpp * hd];
+        // The slabs of page `pi` for `kv`, asked of memory while the page before is read:
+        // pages lie anywhere, so no hardware prefetcher sees the next one coming.
+        let prefetch = |pi: usize, kv: Kv| {
+            if let Some(page) = pages.get(pi).filter(|_| pi * tpp < read) {
+                let slots = tpp.min(read - pi * tpp);
+                for g in kv_heads.clone() {
+                    math::prefetch(&page[self.slab(l, kv, g, slots)]);
+                }
+            }
+        };
+        prefetch(0, Kv::K);
         for (pi, page) in pages.iter().enumerate() {
             let slots = tpp.min(read - pi * tpp);
             let at = pi * tpp..pi * tpp + slots;
+            prefetch(pi + 1, Kv::K);
             for g in kv_heads.clone() {
                 let kb = &mut buf[..slots * hd];
                 math::decode(dtype, &page[self.slab(l, Kv::K, g, slots)], kb);
@@ -702,9 +714,11 @@ impl LlamaRunner {
             math::softmax(row);
         }
         out.fill(0.0);
+        prefetch(0, Kv::V);
         for (pi, page) in pages.iter().enumerate() {
             let slots = tpp.min(read - pi * tpp);
             let at = pi * tpp..pi * tpp + slots;
+            prefetch(pi + 1, Kv::V);
             for g in kv_heads.clone() {
                 let vb = &mut buf[..slots * hd];
                 math::decode(dtype, &page[self.slab(l, Kv::V, g, slots)], vb);
