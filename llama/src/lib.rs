@@ -15,6 +15,7 @@
 pub mod chat;
 pub mod codec;
 pub mod gguf;
+mod int8;
 pub mod layout;
 pub mod load;
 mod math;

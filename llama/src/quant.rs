@@ -3,23 +3,24 @@
 //!
 //! Every decode step reads every weight. Read as f32, SmolLM2-135M's weights are 540 MB a
 //! token; as the file's Q4_1 and Q8_0 blocks they are 98 MB. A [`QuantMatrix`] keeps the
-//! blocks, and `matvec_multi` dequantizes each block where it is used, once for several
-//! vectors of the batch, so a step reads each weight once from memory whatever the batch
-//! size. The kernels prefetch the blocks ahead of them: a step streams the whole model
-//! through the cache, faster than the hardware prefetcher alone brings it.
+//! blocks, interleaved for the integer kernels of [`crate::int8`], which quantize each
+//! vector to 8 bits a value and multiply a strip of 16 rows by up to 16 vectors at once, so
+//! a step reads each weight once from memory whatever the batch size.
 //!
 //! # Exactness
 //!
-//! A row is dequantized with the arithmetic of [`crate::gguf::dequantize_into`] (an f32
-//! product, then an f32 sum for Q4_1, never fused), and its dot product is the decode
-//! kernel's own (`math::dot_row`): the result is bit for bit the product of the weights
-//! dequantized to f32 at load, as the runner computed before, for one vector or many. So a
-//! request decodes to the same tokens alone or in any batch, and quantized decode agrees
-//! with the f32 weights the prefill's sgemm multiplies.
+//! A product's only rounding is in its f32 end (see [`crate::int8`]): a row times a
+//! vector is the same bits from every kernel and in any batch, so a request decodes to the
+//! same tokens alone or batched. Against the f32 weights the prefill's sgemm multiplies it
+//! differs by the vectors' quantization, as llama.cpp's products of the same blocks do.
+//! f32 matrices (a model file of f32 weights, or [`crate::runner::LlamaRunner`] with
+//! quantized decode off) are multiplied here with the decode kernel's own dot product
+//! (`math::dot_row`), bit for bit, for one vector or many.
 
 use std::ops::Range;
 
 use crate::gguf::GgmlType;
+use crate::int8::{self, Q8Vec};
 use crate::math;
 
 /// The block types kept quantized; their blocks are 32 weights.
@@ -61,16 +62,28 @@ impl QuantKind {
     }
 }
 
-/// A row-major `[rows][cols]` matrix of quantized blocks, rows a whole number of blocks.
+/// Rows a [`QuantMatrix`] interleaves: a strip of 16 rows, block by block, is what the
+/// integer kernels multiply at once ([`crate::int8`]).
+pub(crate) const STRIP: usize = 16;
+
+/// A row-major `[rows][cols]` matrix of quantized blocks, rows a whole number of blocks,
+/// kept in the order the integer kernels read ([`crate::int8`]): strip after strip of
+/// [`STRIP`] rows (the last padded with zero rows), and in a strip block after block.
+///
+/// A strip's block is [`QuantKind::chunks`] chunks of 64 bytes, chunk `j` holding four
+/// bytes of each of the 16 rows (row `k` at byte `4 k`): for Q4_1, bytes `4 j..4 j + 4` of
+/// the block's 16 bytes of nibbles (low nibbles are weights `4 j..`, high ones `16 + 4 j..`);
+/// for Q8_0, weights `4 j..4 j + 4`, each plus 128 (as `u8`). So one 512-bit register holds
+/// four consecutive weights of all 16 rows, the operand of a `VPDPBUSD` against four bytes
+/// of a vector broadcast. The scales are f32 (widened exactly from the file's f16), per
+/// strip and block the 16 rows' `d`, then their `m` (Q4_1; zeros for Q8_0).
 #[derive(Clone, PartialEq)]
 pub struct QuantMatrix {
     kind: QuantKind,
     rows: usize,
     cols: usize,
-    bytes: Vec<u8>,
-    /// Each block's f16 scale and (Q4_1) minimum, widened to f32 once here (exactly), so
-    /// that a kernel broadcasts them from memory instead of converting per block.
-    scales: Vec<[f32; 2]>,
+    packed: Vec<u8>,
+    scales: Vec<f32>,
 }
 
 impl std::fmt::Debug for QuantMatrix {
@@ -83,6 +96,16 @@ impl std::fmt::Debug for QuantMatrix {
     }
 }
 
+impl QuantKind {
+    /// 64-byte chunks of one block of a strip (see [`QuantMatrix`]).
+    pub(crate) fn chunks(self) -> usize {
+        match self {
+            QuantKind::Q4_1 => 4,
+            QuantKind::Q8_0 => 8,
+        }
+    }
+}
+
 impl QuantMatrix {
     /// `rows` rows of `cols` weights from the file's blocks; `None` unless `cols` is a whole
     /// number of blocks and `bytes` holds exactly the matrix.
@@ -92,14 +115,42 @@ impl QuantMatrix {
         if rows.checked_mul(row_bytes)? != bytes.len() {
             return None;
         }
-        let scales = block_scales(kind, &bytes);
-        Some(QuantMatrix {
+        let mut m = QuantMatrix::zeros(kind, rows, cols);
+        let f16 = |b: &[u8]| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+        for r in 0..rows {
+            for (b, blk) in bytes[r * row_bytes..(r + 1) * row_bytes]
+                .chunks_exact(kind.block_bytes())
+                .enumerate()
+            {
+                let (data, m_) = match kind {
+                    QuantKind::Q4_1 => (&blk[4..], f16(&blk[2..])),
+                    QuantKind::Q8_0 => (&blk[2..], 0.0),
+                };
+                let flip = if kind == QuantKind::Q8_0 { 0x80 } else { 0 };
+                for (j, four) in data.chunks_exact(4).enumerate() {
+                    let at = m.lane(r, b, j);
+                    for (dst, src) in m.packed[at..at + 4].iter_mut().zip(four) {
+                        *dst = src ^ flip;
+                    }
+                }
+                let (d_at, m_at) = m.scale_at(r, b);
+                m.scales[d_at] = f16(blk);
+                m.scales[m_at] = m_;
+            }
+        }
+        Some(m)
+    }
+
+    /// A matrix of zeros, padded to whole strips.
+    fn zeros(kind: QuantKind, rows: usize, cols: usize) -> QuantMatrix {
+        let strip_blocks = rows.div_ceil(STRIP) * (cols / BLOCK);
+        QuantMatrix {
             kind,
             rows,
             cols,
-            bytes,
-            scales,
-        })
+            packed: vec![0; strip_blocks * kind.chunks() * 64],
+            scales: vec![0.0; strip_blocks * 2 * STRIP],
+        }
     }
 
     pub fn kind(&self) -> QuantKind {
@@ -114,95 +165,92 @@ impl QuantMatrix {
         self.cols
     }
 
-    fn row_bytes(&self) -> usize {
-        self.cols / BLOCK * self.kind.block_bytes()
+    /// Blocks a row.
+    pub(crate) fn blocks(&self) -> usize {
+        self.cols / BLOCK
     }
 
-    /// Row `r`'s blocks.
-    fn row(&self, r: usize) -> &[u8] {
-        let rb = self.row_bytes();
-        &self.bytes[r * rb..(r + 1) * rb]
+    /// Strip `s`'s block `b`: [`QuantKind::chunks`] chunks of 64 bytes.
+    pub(crate) fn strip_block(&self, s: usize, b: usize) -> &[u8] {
+        let len = self.kind.chunks() * 64;
+        let at = (s * self.blocks() + b) * len;
+        &self.packed[at..at + len]
     }
 
-    /// Row `r`'s blocks' scales (see [`QuantMatrix::scales`]).
-    fn row_scales(&self, r: usize) -> &[[f32; 2]] {
-        let n = self.cols / BLOCK;
-        &self.scales[r * n..(r + 1) * n]
+    /// Strip `s`'s block `b`'s scales: the 16 rows' `d`, then their `m`.
+    pub(crate) fn strip_scales(&self, s: usize, b: usize) -> &[f32] {
+        let at = (s * self.blocks() + b) * 2 * STRIP;
+        &self.scales[at..at + 2 * STRIP]
+    }
+
+    /// Where row `r`'s four bytes of chunk `j` of block `b` are in `packed`.
+    fn lane(&self, r: usize, b: usize, j: usize) -> usize {
+        let (s, k) = (r / STRIP, r % STRIP);
+        ((s * self.blocks() + b) * self.kind.chunks() + j) * 64 + 4 * k
+    }
+
+    /// Where row `r`'s `d` and `m` of block `b` are in `scales`.
+    fn scale_at(&self, r: usize, b: usize) -> (usize, usize) {
+        let (s, k) = (r / STRIP, r % STRIP);
+        let at = (s * self.blocks() + b) * 2 * STRIP + k;
+        (at, at + STRIP)
+    }
+
+    /// Row `r`'s block `b` as integers (Q4_1's nibbles, Q8_0's signed bytes), its `d` and
+    /// its `m`: what the weights are `q d + m` of.
+    pub(crate) fn block(&self, r: usize, b: usize) -> ([i32; BLOCK], f32, f32) {
+        let mut q = [0i32; BLOCK];
+        for j in 0..self.kind.chunks() {
+            let at = self.lane(r, b, j);
+            for (t, &byte) in self.packed[at..at + 4].iter().enumerate() {
+                match self.kind {
+                    QuantKind::Q4_1 => {
+                        q[4 * j + t] = i32::from(byte & 0x0F);
+                        q[16 + 4 * j + t] = i32::from(byte >> 4);
+                    }
+                    QuantKind::Q8_0 => q[4 * j + t] = i32::from((byte ^ 0x80).cast_signed()),
+                }
+            }
+        }
+        let (d_at, m_at) = self.scale_at(r, b);
+        (q, self.scales[d_at], self.scales[m_at])
     }
 
     /// The same matrix with its rows reordered: row `i` of the result is row `from[i]`.
     pub fn permute_rows(&self, from: impl Fn(usize) -> usize) -> QuantMatrix {
-        let mut bytes = Vec::with_capacity(self.bytes.len());
-        let mut scales = Vec::with_capacity(self.scales.len());
+        let mut out = QuantMatrix::zeros(self.kind, self.rows, self.cols);
         for i in 0..self.rows {
-            bytes.extend_from_slice(self.row(from(i)));
-            scales.extend_from_slice(self.row_scales(from(i)));
+            let r = from(i);
+            for b in 0..self.blocks() {
+                for j in 0..self.kind.chunks() {
+                    let (to, at) = (out.lane(i, b, j), self.lane(r, b, j));
+                    out.packed[to..to + 4].copy_from_slice(&self.packed[at..at + 4]);
+                }
+                let ((td, tm), (fd, fm)) = (out.scale_at(i, b), self.scale_at(r, b));
+                out.scales[td] = self.scales[fd];
+                out.scales[tm] = self.scales[fm];
+            }
         }
-        QuantMatrix {
-            bytes,
-            scales,
-            ..*self
-        }
+        out
     }
 
-    /// Row `r` dequantized into `out` (`cols` long): [`crate::gguf::dequantize_into`]'s
-    /// values, with the same arithmetic in registers where `SIMD` (512-bit ones where
-    /// `WIDE_REGS`).
-    #[inline(always)]
-    fn dequantize_row<const SIMD: bool, const WIDE_REGS: bool>(&self, r: usize, out: &mut [f32]) {
-        let row = self.row(r);
-        #[cfg(target_arch = "x86_64")]
-        if SIMD && WIDE_REGS {
-            let bytes = self.kind.block_bytes();
-            let blocks = row.chunks_exact(bytes).zip(self.row_scales(r));
-            for ((b, &[d, m]), y) in blocks.zip(out.chunks_exact_mut(BLOCK)) {
-                // SAFETY: WIDE_REGS is set only inside a function compiled for AVX-512F
-                // (and AVX2, FMA, F16C), called once the CPU is known to have them; `b` is
-                // a whole block and `y` 32 values.
-                unsafe {
-                    match self.kind {
-                        QuantKind::Q4_1 => simd::q4_1_block_wide(b, d, m, y),
-                        QuantKind::Q8_0 => simd::q8_0_block_wide(b, d, y),
-                    }
-                }
+    /// Row `r` dequantized into `out` (`cols` long): `q d + m`, as
+    /// [`crate::gguf::dequantize_into`] computes it.
+    #[cfg(test)]
+    fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        for b in 0..self.blocks() {
+            let (q, d, m) = self.block(r, b);
+            for (o, q) in out[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(q) {
+                #[allow(clippy::cast_precision_loss)]
+                let w = q as f32 * d;
+                *o = if self.kind == QuantKind::Q4_1 {
+                    w + m
+                } else {
+                    w
+                };
             }
-            return;
-        }
-        #[cfg(target_arch = "x86_64")]
-        if SIMD {
-            let bytes = self.kind.block_bytes();
-            for (b, y) in row.chunks_exact(bytes).zip(out.chunks_exact_mut(BLOCK)) {
-                // SAFETY: SIMD is set only inside functions compiled for AVX2, FMA and F16C,
-                // called once the CPU is known to have them; `b` is a whole block and `y`
-                // 32 values.
-                unsafe {
-                    match self.kind {
-                        QuantKind::Q4_1 => simd::q4_1_block(b, y),
-                        QuantKind::Q8_0 => simd::q8_0_block(b, y),
-                    }
-                }
-            }
-            return;
-        }
-        let ggml = self.kind.ggml_type();
-        // A row is whole blocks of `cols` values (`QuantMatrix::new`): it cannot fail.
-        if crate::gguf::dequantize_into(ggml, row, &mut out[..self.cols]).is_err() {
-            unreachable!("a row of whole blocks");
         }
     }
-}
-
-/// Each block's `[d, m]` (Q4_1) or `[d, 0]` (Q8_0), as [`crate::gguf::dequantize_into`]
-/// widens them.
-fn block_scales(kind: QuantKind, bytes: &[u8]) -> Vec<[f32; 2]> {
-    let f16 = |lo, hi| half::f16::from_bits(u16::from_le_bytes([lo, hi])).to_f32();
-    bytes
-        .chunks_exact(kind.block_bytes())
-        .map(|b| match kind {
-            QuantKind::Q4_1 => [f16(b[0], b[1]), f16(b[2], b[3])],
-            QuantKind::Q8_0 => [f16(b[0], b[1]), 0.0],
-        })
-        .collect()
 }
 
 /// A decode weight matrix: f32 (as loaded) or the file's quantized blocks.
@@ -234,24 +282,18 @@ impl Mat<'_> {
 
 /// Rows `rows` of `M x_b` for every vector `x_b` of `xs` (each `cols` long) into `out`,
 /// vector-major: `out[b * rows.len() + i]` is row `rows.start + i` of `M x_b`. Each output
-/// is exactly [`math::matvec`]'s for that row and vector alone (see the module docs).
+/// is the same bits as for that row and vector alone (see the module docs).
 ///
 /// # Panics
 ///
 /// If a vector is not `cols` long, a row is out of range, or `out` is not
 /// `xs.len() * rows.len()` long (bugs in the caller: shapes are validated at load).
 pub(crate) fn matvec_multi(m: Mat<'_>, xs: &[&[f32]], rows: Range<usize>, out: &mut [f32]) {
-    assert_eq!(
-        out.len(),
-        xs.len() * rows.len(),
-        "matvec_multi: output length"
-    );
-    let stride = rows.len();
-    matvec_strided(m, xs, rows, out, stride);
+    matvec_multi_stacked(&[m], xs, rows, out);
 }
 
 /// [`matvec_multi`] of the matrices `ms` stacked (`[M_0; M_1; ...]`, rows counted across
-/// them), rows `rows` of it.
+/// them), rows `rows` of it. The vectors are quantized once for all the quantized ones.
 pub(crate) fn matvec_multi_stacked(
     ms: &[Mat<'_>],
     xs: &[&[f32]],
@@ -264,26 +306,44 @@ pub(crate) fn matvec_multi_stacked(
         "matvec_multi: output length"
     );
     let stride = rows.len();
+    let mut quantized: Option<Vec<Q8Vec>> = None;
     let mut base = 0;
     for m in ms {
         let n = m.rows();
         let (lo, hi) = (rows.start.max(base), rows.end.min(base + n));
         if lo < hi {
-            let at = lo - rows.start;
-            matvec_strided(*m, xs, lo - base..hi - base, &mut out[at..], stride);
+            let (out, rows) = (&mut out[lo - rows.start..], lo - base..hi - base);
+            assert!(
+                xs.iter().all(|x| x.len() == m.cols()),
+                "matvec_multi: vector length"
+            );
+            match *m {
+                Mat::Quant(q) => {
+                    let q8 =
+                        quantized.get_or_insert_with(|| xs.iter().map(|x| Q8Vec::new(x)).collect());
+                    int8::matvec(q, q8, rows, out, stride);
+                }
+                Mat::F32 { w, cols } => matvec_f32(w, cols, xs, rows, out, stride),
+            }
         }
         base += n;
     }
 }
 
-/// Row `rows.start + i` of `M x_b` into `out[b * stride + i]`.
-fn matvec_strided(m: Mat<'_>, xs: &[&[f32]], rows: Range<usize>, out: &mut [f32], stride: usize) {
-    let cols = m.cols();
+/// Row `rows.start + i` of `W x_b` into `out[b * stride + i]`, `W` f32 with `cols`
+/// columns.
+fn matvec_f32(
+    w: &[f32],
+    cols: usize,
+    xs: &[&[f32]],
+    rows: Range<usize>,
+    out: &mut [f32],
+    stride: usize,
+) {
     assert!(
-        xs.iter().all(|x| x.len() == cols),
-        "matvec_multi: vector length"
+        rows.end * cols <= w.len(),
+        "matvec_multi: rows out of range"
     );
-    assert!(rows.end <= m.rows(), "matvec_multi: rows out of range");
     if rows.is_empty() || xs.is_empty() {
         return;
     }
@@ -292,19 +352,19 @@ fn matvec_strided(m: Mat<'_>, xs: &[&[f32]], rows: Range<usize>, out: &mut [f32]
         "matvec_multi: output too short"
     );
     #[cfg(target_arch = "x86_64")]
-    if has_simd() {
+    if math::has_avx2_fma() {
         if has_avx512vl() {
-            // SAFETY: the CPU has AVX2, FMA, F16C, AVX-512F and AVX-512VL (checked at run
-            // time just above), the only requirement of calling a function compiled with
-            // those features.
-            unsafe { matvec_avx512(m, xs, rows, out, stride) };
+            // SAFETY: the CPU has AVX2, FMA, AVX-512F and AVX-512VL (checked at run time
+            // just above), the only requirement of calling a function compiled with those
+            // features.
+            unsafe { matvec_avx512(w, cols, xs, rows, out, stride) };
         } else {
-            // SAFETY: the CPU has AVX2, FMA and F16C (checked at run time just above).
-            unsafe { matvec_avx2(m, xs, rows, out, stride) };
+            // SAFETY: the CPU has AVX2 and FMA (checked at run time just above).
+            unsafe { matvec_avx2(w, cols, xs, rows, out, stride) };
         }
         return;
     }
-    matvec_body::<false, false>(m, xs, rows, out, stride);
+    matvec_body::<false, false>(w, cols, xs, rows, out, stride);
 }
 
 /// Whether the CPU has AVX-512F and AVX-512VL: then the 256-bit kernels may use 32
@@ -322,72 +382,45 @@ fn has_avx512vl() -> bool {
     }
 }
 
-/// Whether the AVX2, FMA and F16C kernels may run on this CPU.
-#[inline]
-fn has_simd() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        math::has_avx2_fma() && std::arch::is_x86_feature_detected!("f16c")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn matvec_avx2(m: Mat<'_>, xs: &[&[f32]], rows: Range<usize>, out: &mut [f32], stride: usize) {
-    matvec_body::<true, false>(m, xs, rows, out, stride);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-fn matvec_avx512(m: Mat<'_>, xs: &[&[f32]], rows: Range<usize>, out: &mut [f32], stride: usize) {
-    matvec_body::<true, true>(m, xs, rows, out, stride);
-}
-
-/// `matvec_strided`'s work. `SIMD` only inside [`matvec_avx2`] and [`matvec_avx512`],
-/// `WIDE_REGS` (32 registers: two rows at once) only inside the latter.
-///
-/// A quantized matrix on AVX-512: [`blocks_wide`], blocks dequantized into registers for
-/// up to [`GROUP`] vectors at once. On AVX2, one vector: each block dequantized into
-/// registers and multiplied there. Otherwise (f32 rows, or more vectors on AVX2): rows
-/// dequantized into buffers that stay in L1, each weight loaded from there serving two
-/// vectors (and, with 32 registers, two or four rows).
-#[inline(always)]
-fn matvec_body<const SIMD: bool, const WIDE_REGS: bool>(
-    m: Mat<'_>,
+#[target_feature(enable = "avx2,fma")]
+fn matvec_avx2(
+    w: &[f32],
+    cols: usize,
     xs: &[&[f32]],
     rows: Range<usize>,
     out: &mut [f32],
     stride: usize,
 ) {
-    let cols = m.cols();
-    #[cfg(target_arch = "x86_64")]
-    if SIMD
-        && cols >= simd::WIDE
-        && let Mat::Quant(q) = m
-    {
-        if WIDE_REGS {
-            // SAFETY: WIDE_REGS is set only inside `matvec_avx512`, compiled for AVX-512F
-            // (and AVX2, FMA, F16C) and called once the CPU is known to have them; every
-            // vector is as long as a row (`matvec_strided`).
-            unsafe { blocks_wide(q, xs, rows, out, stride) };
-            return;
-        }
-        if let [x] = xs {
-            for (i, r) in rows.enumerate() {
-                // SAFETY: SIMD is set only in functions compiled for AVX2, FMA and F16C,
-                // called once the CPU is known to have them; `x` is as long as a row.
-                out[i] = unsafe { simd::dot_blocks(q.kind, q.row(r), x) };
-            }
-            return;
-        }
-    }
-    // Dequantized rows land in these; f32 rows are read in place and need none.
-    let len = if matches!(m, Mat::Quant(_)) { cols } else { 0 };
-    let mut bufs: [Vec<f32>; 4] = std::array::from_fn(|_| vec![0f32; len]);
+    matvec_body::<true, false>(w, cols, xs, rows, out, stride);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
+fn matvec_avx512(
+    w: &[f32],
+    cols: usize,
+    xs: &[&[f32]],
+    rows: Range<usize>,
+    out: &mut [f32],
+    stride: usize,
+) {
+    matvec_body::<true, true>(w, cols, xs, rows, out, stride);
+}
+
+/// `matvec_f32`'s work. `SIMD` only inside [`matvec_avx2`] and [`matvec_avx512`],
+/// `WIDE_REGS` (32 registers: two rows at once) only inside the latter. Each weight loaded
+/// serves two vectors (and, with 32 registers, two or four rows).
+#[inline(always)]
+fn matvec_body<const SIMD: bool, const WIDE_REGS: bool>(
+    w: &[f32],
+    cols: usize,
+    xs: &[&[f32]],
+    rows: Range<usize>,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let row = |r: usize| &w[r * cols..(r + 1) * cols];
     let many = SIMD && WIDE_REGS && cols >= WIDE && xs.len() > 1;
     let four = many && cols.is_multiple_of(32);
     // Four rows at a time take the vectors in pairs, each pair interleaved once here for
@@ -401,123 +434,16 @@ fn matvec_body<const SIMD: bool, const WIDE_REGS: bool>(
     let mut r = start;
     while r < end {
         let i = r - start;
-        let [b0, b1, b2, b3] = &mut bufs;
         if four && r + 3 < end {
-            let rs = [
-                row::<SIMD, WIDE_REGS>(m, r, b0),
-                row::<SIMD, WIDE_REGS>(m, r + 1, b1),
-                row::<SIMD, WIDE_REGS>(m, r + 2, b2),
-                row::<SIMD, WIDE_REGS>(m, r + 3, b3),
-            ];
+            let rs = [row(r), row(r + 1), row(r + 2), row(r + 3)];
             dots4::<SIMD, WIDE_REGS>(rs, &pairs, xs.len(), &mut out[i..], stride);
             r += 4;
         } else if many && r + 1 < end {
-            let (r0, r1) = (
-                row::<SIMD, WIDE_REGS>(m, r, b0),
-                row::<SIMD, WIDE_REGS>(m, r + 1, b1),
-            );
-            dots2::<SIMD, WIDE_REGS>(r0, r1, xs, &mut out[i..], stride);
+            dots2::<SIMD, WIDE_REGS>(row(r), row(r + 1), xs, &mut out[i..], stride);
             r += 2;
         } else {
-            dots::<SIMD>(row::<SIMD, WIDE_REGS>(m, r, b0), xs, &mut out[i..], stride);
+            dots::<SIMD>(row(r), xs, &mut out[i..], stride);
             r += 1;
-        }
-    }
-}
-
-/// Vectors [`blocks_wide`] multiplies at once: two rows against six vectors are 24
-/// accumulators, and with the rows' four registers of weights that leaves room in 32.
-const GROUP: usize = 6;
-
-/// [`matvec_body`] of a quantized matrix on AVX-512: rows two at a time, each pair's blocks
-/// dequantized into registers once for every [`GROUP`] of vectors (the pair's blocks stay
-/// in L1 from one group to the next), each register of weights serving every vector of
-/// the group.
-///
-/// # Safety
-///
-/// The CPU has AVX-512F, AVX2, FMA and F16C; every vector of `xs` is a row long, at least
-/// [`WIDE`]; `out` holds `out[b * stride + i]` for every vector `b` and row `i` of `rows`.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn blocks_wide(
-    q: &QuantMatrix,
-    xs: &[&[f32]],
-    rows: Range<usize>,
-    out: &mut [f32],
-    stride: usize,
-) {
-    let (start, end) = (rows.start, rows.end);
-    let mut r = start;
-    while r < end {
-        let i = r - start;
-        for (g, group) in xs.chunks(GROUP).enumerate() {
-            let out = &mut out[g * GROUP * stride + i..];
-            // SAFETY: the caller's promise.
-            unsafe {
-                match (q.kind, r + 1 < end) {
-                    (QuantKind::Q4_1, true) => rows_group::<false, 2>(q, r, group, out, stride),
-                    (QuantKind::Q4_1, false) => rows_group::<false, 1>(q, r, group, out, stride),
-                    (QuantKind::Q8_0, true) => rows_group::<true, 2>(q, r, group, out, stride),
-                    (QuantKind::Q8_0, false) => rows_group::<true, 1>(q, r, group, out, stride),
-                }
-            }
-        }
-        r += if r + 1 < end { 2 } else { 1 };
-    }
-}
-
-/// Rows `r..r + R` against the vectors `xs` (at most [`GROUP`]): `out[b * stride + k]` is
-/// row `r + k` · `xs[b]`.
-///
-/// # Safety
-///
-/// As [`blocks_wide`]; `Q8` says the matrix is Q8_0 (else Q4_1), and rows `r..r + R` exist.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn rows_group<const Q8: bool, const R: usize>(
-    q: &QuantMatrix,
-    r: usize,
-    xs: &[&[f32]],
-    out: &mut [f32],
-    stride: usize,
-) {
-    let blocks: [&[u8]; R] = std::array::from_fn(|k| q.row(r + k));
-    let scales: [&[[f32; 2]]; R] = std::array::from_fn(|k| q.row_scales(r + k));
-    macro_rules! run {
-        ($v:literal) => {{
-            let xs: [&[f32]; $v] = std::array::from_fn(|b| xs[b]);
-            // SAFETY: the caller's promise covers `dot_rows`'.
-            let d = unsafe { simd::dot_rows::<Q8, R, $v>(blocks, scales, xs) };
-            for (b, rows) in d.iter().enumerate() {
-                out[b * stride..b * stride + R].copy_from_slice(rows);
-            }
-        }};
-    }
-    match xs.len() {
-        1 => run!(1),
-        2 => run!(2),
-        3 => run!(3),
-        4 => run!(4),
-        5 => run!(5),
-        6 => run!(6),
-        n => unreachable!("groups of one to {GROUP} vectors, not {n}"),
-    }
-}
-
-/// Row `r` of `m`: in place for f32, dequantized into `buf` for blocks. (A function, not a
-/// closure: closures do not inherit the target features of the kernels that inline this.)
-#[inline(always)]
-fn row<'a, const SIMD: bool, const WIDE_REGS: bool>(
-    m: Mat<'a>,
-    r: usize,
-    buf: &'a mut [f32],
-) -> &'a [f32] {
-    match m {
-        Mat::F32 { w, cols } => &w[r * cols..(r + 1) * cols],
-        Mat::Quant(q) => {
-            q.dequantize_row::<SIMD, WIDE_REGS>(r, buf);
-            buf
         }
     }
 }
@@ -795,160 +721,11 @@ mod simd {
         }
     }
 
-    /// `blocks · x` for a row of quantized blocks, each block dequantized into registers:
-    /// the values of [`super::QuantMatrix::dequantize_row`], summed as [`dot2`] sums.
-    ///
-    /// # Safety
-    ///
-    /// The CPU has AVX2, FMA and F16C; `x` holds 32 values per block of `blocks`, at least
-    /// [`WIDE`] in all.
-    #[inline(always)]
-    pub(super) unsafe fn dot_blocks(kind: super::QuantKind, blocks: &[u8], x: &[f32]) -> f32 {
-        let bytes = kind.block_bytes();
-        debug_assert!(x.len() >= blocks.len() / bytes * 32);
-        let px = x.as_ptr();
-        // SAFETY: block `i` reads `x[32 i..32 i + 32]`, inside `x` (above); the features
-        // are the caller's promise.
-        unsafe {
-            let mut acc = [_mm256_setzero_ps(); 4];
-            for (i, b) in blocks.chunks_exact(bytes).enumerate() {
-                let w = match kind {
-                    super::QuantKind::Q4_1 => q4_1_regs(b),
-                    super::QuantKind::Q8_0 => q8_0_regs(b),
-                };
-                for k in 0..4 {
-                    acc[k] = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(px.add(32 * i + 8 * k)), acc[k]);
-                }
-            }
-            reduce(acc)
-        }
-    }
-
-    /// Blocks a prefetch runs ahead of the kernel that reads them: a decode step reads
-    /// every weight once, from memory, faster than the hardware prefetcher alone fetches.
-    const AHEAD: usize = 96;
-
-    /// `[[row k · xs[b]; R]; V]` for `R` rows of quantized blocks (Q8_0 if `Q8`, else
-    /// Q4_1; scales widened as [`super::QuantMatrix`] keeps them): each block is
-    /// dequantized into two 512-bit registers once for all `V` vectors, and summed as
-    /// [`dot_blocks`] sums (one register holds its accumulators 0 and 1 in its halves, the
-    /// other 2 and 3: lane by lane the same arithmetic, the same tree at the end).
-    ///
-    /// # Safety
-    ///
-    /// The CPU has AVX-512F, AVX2 and FMA; every row is as many blocks as `scales[k]`
-    /// holds, all rows alike, and every vector 32 values per block.
-    #[inline(always)]
-    pub(super) unsafe fn dot_rows<const Q8: bool, const R: usize, const V: usize>(
-        blocks: [&[u8]; R],
-        scales: [&[[f32; 2]]; R],
-        xs: [&[f32]; V],
-    ) -> [[f32; R]; V] {
-        let bytes = if Q8 { 34 } else { 20 };
-        let n = scales[0].len();
-        debug_assert!((0..R).all(|k| scales[k].len() == n && blocks[k].len() == n * bytes));
-        debug_assert!(xs.iter().all(|x| x.len() >= 32 * n));
-        let px = xs.map(<[f32]>::as_ptr);
-        // SAFETY: block `i` of each row is `bytes` long and reads `x[32 i..32 i + 32]`,
-        // inside every vector (above); a prefetch never faults, and its address is only
-        // computed (`wrapping_add`); the features are the caller's promise.
-        unsafe {
-            let mut acc = [[[_mm512_setzero_ps(); 2]; R]; V];
-            for i in 0..n {
-                let mut w = [[_mm512_setzero_ps(); 2]; R];
-                for k in 0..R {
-                    let b = blocks[k].as_ptr().add(i * bytes);
-                    _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(AHEAD * bytes).cast());
-                    let s = scales[k].as_ptr().add(i);
-                    _mm_prefetch::<_MM_HINT_T0>(s.wrapping_add(AHEAD).cast());
-                    let [d, m] = *s;
-                    let b = std::slice::from_raw_parts(b, bytes);
-                    w[k] = if Q8 {
-                        q8_0_wide(b, d)
-                    } else {
-                        q4_1_wide(b, d, m)
-                    };
-                }
-                for (acc, x) in acc.iter_mut().zip(px) {
-                    let (x01, x23) = (
-                        _mm512_loadu_ps(x.add(32 * i)),
-                        _mm512_loadu_ps(x.add(32 * i + 16)),
-                    );
-                    for (acc, w) in acc.iter_mut().zip(&w) {
-                        acc[0] = _mm512_fmadd_ps(w[0], x01, acc[0]);
-                        acc[1] = _mm512_fmadd_ps(w[1], x23, acc[1]);
-                    }
-                }
-            }
-            let mut out = [[0f32; R]; V];
-            for (out, acc) in out.iter_mut().zip(&acc) {
-                for (o, [a01, a23]) in out.iter_mut().zip(acc) {
-                    *o = reduce([
-                        _mm512_castps512_ps256(*a01),
-                        high_half(*a01),
-                        _mm512_castps512_ps256(*a23),
-                        high_half(*a23),
-                    ]);
-                }
-            }
-            out
-        }
-    }
-
     /// The high eight lanes of `v`.
     #[inline(always)]
     unsafe fn high_half(v: __m512) -> __m256 {
         // SAFETY: register arithmetic only; AVX-512F is the caller's promise.
         unsafe { _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))) }
-    }
-
-    /// A Q4_1 block's 32 weights in two registers of sixteen: [`q4_1_regs`]'s values, given
-    /// the block's scale `d` and minimum `m` widened.
-    ///
-    /// # Safety
-    ///
-    /// The CPU has AVX-512F; `b` is a 20-byte Q4_1 block.
-    #[inline(always)]
-    unsafe fn q4_1_wide(b: &[u8], d: f32, m: f32) -> [__m512; 2] {
-        debug_assert!(b.len() >= 20);
-        // SAFETY: the length above bounds the loads; the features are the caller's promise.
-        unsafe {
-            let (d, m) = (_mm512_set1_ps(d), _mm512_set1_ps(m));
-            let q = _mm_loadu_si128(b.as_ptr().add(4).cast());
-            let mask = _mm_set1_epi8(0x0F);
-            let lo = _mm_and_si128(q, mask);
-            let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
-            // No closures here: a closure does not inherit its function's target features.
-            let (lo, hi) = (
-                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)),
-                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)),
-            );
-            // One fused multiply-add is the unfused product and sum bit for bit: `q d` is
-            // exact in f32 (a 4-bit integer times an f16's 11 significant bits), so only
-            // the sum rounds, once, either way.
-            [_mm512_fmadd_ps(lo, d, m), _mm512_fmadd_ps(hi, d, m)]
-        }
-    }
-
-    /// A Q8_0 block's 32 weights in two registers of sixteen: [`q8_0_regs`]'s values, given
-    /// the block's scale `d` widened.
-    ///
-    /// # Safety
-    ///
-    /// The CPU has AVX-512F; `b` is a 34-byte Q8_0 block.
-    #[inline(always)]
-    unsafe fn q8_0_wide(b: &[u8], d: f32) -> [__m512; 2] {
-        debug_assert!(b.len() >= 34);
-        // SAFETY: as in `q4_1_wide`.
-        unsafe {
-            let d = _mm512_set1_ps(d);
-            let q0 = _mm_loadu_si128(b.as_ptr().add(2).cast());
-            let q1 = _mm_loadu_si128(b.as_ptr().add(18).cast());
-            [
-                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d),
-                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d),
-            ]
-        }
     }
 
     /// `(row · a, row · b)`.
@@ -1022,137 +799,11 @@ mod simd {
             _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps::<1>(c, c)))
         }
     }
-
-    /// The two f16 at `b[0..2]` and `b[2..4]`, widened exactly.
-    #[inline(always)]
-    unsafe fn scales(b: &[u8]) -> (__m256, __m256) {
-        // SAFETY: `b` has at least 4 bytes (a block); F16C is enabled by the caller.
-        unsafe {
-            let h = _mm_cvtsi32_si128(i32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-            let f = _mm_cvtph_ps(h);
-            (
-                _mm256_broadcastss_ps(f),
-                _mm256_broadcastss_ps(_mm_shuffle_ps::<1>(f, f)),
-            )
-        }
-    }
-
-    /// A Q4_1 block's 32 weights in four registers of eight.
-    ///
-    /// # Safety
-    ///
-    /// The CPU has AVX2 and F16C; `b` is a 20-byte Q4_1 block.
-    #[inline(always)]
-    unsafe fn q4_1_regs(b: &[u8]) -> [__m256; 4] {
-        debug_assert!(b.len() >= 20);
-        // SAFETY: the length above bounds the load; the features are the caller's promise.
-        unsafe {
-            let (d, m) = scales(b);
-            let q = _mm_loadu_si128(b.as_ptr().add(4).cast());
-            let mask = _mm_set1_epi8(0x0F);
-            let lo = _mm_and_si128(q, mask);
-            let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
-            // No closures here: a closure does not inherit its function's target features.
-            let q = [lo, _mm_srli_si128::<8>(lo), hi, _mm_srli_si128::<8>(hi)];
-            let mut w = [_mm256_setzero_ps(); 4];
-            for k in 0..4 {
-                let v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[k]));
-                w[k] = _mm256_add_ps(_mm256_mul_ps(v, d), m);
-            }
-            w
-        }
-    }
-
-    /// A Q8_0 block's 32 weights in four registers of eight.
-    ///
-    /// # Safety
-    ///
-    /// The CPU has AVX2 and F16C; `b` is a 34-byte Q8_0 block.
-    #[inline(always)]
-    unsafe fn q8_0_regs(b: &[u8]) -> [__m256; 4] {
-        debug_assert!(b.len() >= 34);
-        // SAFETY: as in `q4_1_regs`.
-        unsafe {
-            let h = _mm_cvtsi32_si128(i32::from(u16::from_le_bytes([b[0], b[1]])));
-            let d = _mm256_broadcastss_ps(_mm_cvtph_ps(h));
-            let q = _mm256_loadu_si256(b.as_ptr().add(2).cast());
-            let (q0, q1) = (_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q));
-            let q = [q0, _mm_srli_si128::<8>(q0), q1, _mm_srli_si128::<8>(q1)];
-            let mut w = [_mm256_setzero_ps(); 4];
-            for k in 0..4 {
-                w[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q[k])), d);
-            }
-            w
-        }
-    }
-
-    /// # Safety
-    ///
-    /// The CPU has AVX2 and F16C; `b` is a 20-byte Q4_1 block, `y` at least 32 values.
-    #[inline(always)]
-    pub(super) unsafe fn q4_1_block(b: &[u8], y: &mut [f32]) {
-        debug_assert!(y.len() >= 32);
-        // SAFETY: the caller's promise is `q4_1_regs`'s; `y` holds the 32 values stored.
-        unsafe { store(q4_1_regs(b), y) }
-    }
-
-    /// # Safety
-    ///
-    /// The CPU has AVX2 and F16C; `b` is a 34-byte Q8_0 block, `y` at least 32 values.
-    #[inline(always)]
-    pub(super) unsafe fn q8_0_block(b: &[u8], y: &mut [f32]) {
-        debug_assert!(y.len() >= 32);
-        // SAFETY: as in `q4_1_block`.
-        unsafe { store(q8_0_regs(b), y) }
-    }
-
-    /// # Safety
-    ///
-    /// The CPU has AVX-512F; `b` is a 20-byte Q4_1 block with scale `d` and minimum `m`,
-    /// `y` at least 32 values.
-    #[inline(always)]
-    pub(super) unsafe fn q4_1_block_wide(b: &[u8], d: f32, m: f32, y: &mut [f32]) {
-        debug_assert!(y.len() >= 32);
-        // SAFETY: the caller's promise is `q4_1_wide`'s; `y` holds the 32 values stored.
-        unsafe { store_wide(q4_1_wide(b, d, m), y) }
-    }
-
-    /// # Safety
-    ///
-    /// The CPU has AVX-512F; `b` is a 34-byte Q8_0 block with scale `d`, `y` at least 32
-    /// values.
-    #[inline(always)]
-    pub(super) unsafe fn q8_0_block_wide(b: &[u8], d: f32, y: &mut [f32]) {
-        debug_assert!(y.len() >= 32);
-        // SAFETY: as in `q4_1_block_wide`.
-        unsafe { store_wide(q8_0_wide(b, d), y) }
-    }
-
-    #[inline(always)]
-    unsafe fn store_wide(w: [__m512; 2], y: &mut [f32]) {
-        // SAFETY: `y` holds at least 32 values (the callers' check); AVX-512F is their
-        // promise.
-        unsafe {
-            _mm512_storeu_ps(y.as_mut_ptr(), w[0]);
-            _mm512_storeu_ps(y.as_mut_ptr().add(16), w[1]);
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn store(w: [__m256; 4], y: &mut [f32]) {
-        // SAFETY: `y` holds at least 32 values (the callers' check); AVX is their promise.
-        unsafe {
-            for (i, v) in w.into_iter().enumerate() {
-                _mm256_storeu_ps(y.as_mut_ptr().add(8 * i), v);
-            }
-        }
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gguf::dequantize_into;
 
     fn lcg(seed: &mut u64) -> u64 {
         *seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
@@ -1179,67 +830,106 @@ mod tests {
         bytes
     }
 
+    /// The f32 kernels (every one this CPU runs, for any number of vectors and rows)
+    /// give each row and vector [`math::matvec`]'s bits for that row and vector alone.
     #[test]
-    fn products_equal_the_f32_kernel_on_the_dequantized_weights() {
+    fn f32_products_equal_the_decode_kernel_alone() {
         let mut seed = 7;
-        for (kind, ggml) in [
-            (QuantKind::Q4_1, GgmlType::Q4_1),
-            (QuantKind::Q8_0, GgmlType::Q8_0),
-        ] {
-            for cols in [32, 256, 576, 1536] {
-                let rows = 10;
-                let bytes = blocks(kind, rows, cols, &mut seed);
-                let mut f = vec![0f32; rows * cols];
-                dequantize_into(ggml, &bytes, &mut f).unwrap();
-                let q = QuantMatrix::new(kind, rows, cols, bytes).unwrap();
-                for vectors in [1, 2, 3, 5, 8, 9, 16] {
-                    let xs: Vec<Vec<f32>> = (0..vectors)
-                        .map(|_| {
-                            (0..cols)
-                                .map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0)
-                                .collect()
-                        })
-                        .collect();
-                    let refs: Vec<&[f32]> = xs.iter().map(Vec::as_slice).collect();
-                    // An odd number of rows: the kernels that take two rows at once end on one.
-                    let (lo, hi) = (2, 9);
-                    let mut got = vec![0f32; refs.len() * (hi - lo)];
-                    matvec_multi(Mat::Quant(&q), &refs, lo..hi, &mut got);
-                    let mut from_f32 = vec![0f32; refs.len() * (hi - lo)];
-                    matvec_multi(Mat::F32 { w: &f, cols }, &refs, lo..hi, &mut from_f32);
-                    // Every kernel this CPU can run, not only the one dispatch picks. The
-                    // portable one rounds each multiply-add twice (no FMA): quantized or f32,
-                    // it agrees with itself.
-                    let n = hi - lo;
-                    let portable = |m: Mat<'_>| {
-                        let mut out = vec![0f32; refs.len() * n];
-                        matvec_body::<false, false>(m, &refs, lo..hi, &mut out, n);
-                        out
-                    };
-                    assert_eq!(
-                        portable(Mat::Quant(&q)),
-                        portable(Mat::F32 { w: &f, cols }),
-                        "portable kernel, cols {cols}"
-                    );
-                    for m in [Mat::Quant(&q), Mat::F32 { w: &f, cols }] {
-                        #[cfg(target_arch = "x86_64")]
-                        if has_simd() {
-                            let mut avx2 = vec![0f32; refs.len() * n];
-                            // SAFETY: the CPU has the features (checked just above).
-                            unsafe { matvec_avx2(m, &refs, lo..hi, &mut avx2, n) };
-                            assert_eq!(avx2, got, "AVX2 kernel, cols {cols}");
-                        }
-                    }
-                    for (b, x) in refs.iter().enumerate() {
-                        let mut want = vec![0f32; hi - lo];
-                        math::matvec(&f[lo * cols..hi * cols], x, &mut want);
-                        let got_b = &got[b * (hi - lo)..(b + 1) * (hi - lo)];
-                        let f32_b = &from_f32[b * (hi - lo)..(b + 1) * (hi - lo)];
-                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                        assert_eq!(bits(got_b), bits(&want), "{kind:?} cols {cols} vector {b}");
-                        assert_eq!(bits(f32_b), bits(&want), "f32 cols {cols} vector {b}");
-                    }
+        for cols in [32, 100, 256, 576, 1536] {
+            let rows = 10;
+            let f: Vec<f32> = (0..rows * cols)
+                .map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0)
+                .collect();
+            for vectors in [1, 2, 3, 5, 8, 9, 16] {
+                let xs: Vec<Vec<f32>> = (0..vectors)
+                    .map(|_| {
+                        (0..cols)
+                            .map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0)
+                            .collect()
+                    })
+                    .collect();
+                let refs: Vec<&[f32]> = xs.iter().map(Vec::as_slice).collect();
+                // An odd number of rows: the kernels that take two rows at once end on one.
+                let (lo, hi) = (2, 9);
+                let n = hi - lo;
+                let mut got = vec![0f32; refs.len() * n];
+                matvec_multi(Mat::F32 { w: &f, cols }, &refs, lo..hi, &mut got);
+                let mut portable = vec![0f32; refs.len() * n];
+                matvec_body::<false, false>(&f, cols, &refs, lo..hi, &mut portable, n);
+                #[cfg(target_arch = "x86_64")]
+                if math::has_avx2_fma() {
+                    let mut avx2 = vec![0f32; refs.len() * n];
+                    // SAFETY: the CPU has the features (checked just above).
+                    unsafe { matvec_avx2(&f, cols, &refs, lo..hi, &mut avx2, n) };
+                    assert_eq!(avx2, got, "AVX2 kernel, cols {cols}");
                 }
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                for (b, x) in refs.iter().enumerate() {
+                    let mut want = vec![0f32; n];
+                    math::matvec(&f[lo * cols..hi * cols], x, &mut want);
+                    let got_b = &got[b * n..(b + 1) * n];
+                    assert_eq!(bits(got_b), bits(&want), "cols {cols} vector {b}");
+                    // The portable kernel rounds each multiply-add twice (no FMA): it
+                    // agrees with itself alone.
+                    let mut alone = vec![0f32; n];
+                    matvec_body::<false, false>(&f, cols, &[x], lo..hi, &mut alone, n);
+                    assert_eq!(bits(&portable[b * n..(b + 1) * n]), bits(&alone));
+                }
+            }
+        }
+    }
+
+    /// A quantized product is the integer kernels' (quantizing each vector once for a
+    /// stack of matrices), and a stack is its matrices' rows one after the other.
+    #[test]
+    fn quantized_products_are_the_integer_kernels() {
+        let mut seed = 13;
+        let cols = 64;
+        let (a, b) = (
+            QuantMatrix::new(
+                QuantKind::Q4_1,
+                20,
+                cols,
+                blocks(QuantKind::Q4_1, 20, cols, &mut seed),
+            )
+            .unwrap(),
+            QuantMatrix::new(
+                QuantKind::Q8_0,
+                12,
+                cols,
+                blocks(QuantKind::Q8_0, 12, cols, &mut seed),
+            )
+            .unwrap(),
+        );
+        let xs: Vec<Vec<f32>> = (0..3)
+            .map(|_| {
+                (0..cols)
+                    .map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0)
+                    .collect()
+            })
+            .collect();
+        let refs: Vec<&[f32]> = xs.iter().map(Vec::as_slice).collect();
+        let rows = 5..27;
+        let mut got = vec![0f32; 3 * rows.len()];
+        matvec_multi_stacked(
+            &[Mat::Quant(&a), Mat::Quant(&b)],
+            &refs,
+            rows.clone(),
+            &mut got,
+        );
+        for (v, x) in refs.iter().enumerate() {
+            let q8 = Q8Vec::new(x);
+            for (i, r) in rows.clone().enumerate() {
+                let want = if r < 20 {
+                    int8::dot_portable(&a, r, &q8)
+                } else {
+                    int8::dot_portable(&b, r - 20, &q8)
+                };
+                assert_eq!(
+                    got[v * rows.len() + i].to_bits(),
+                    want.to_bits(),
+                    "row {r} vector {v}"
+                );
             }
         }
     }
@@ -1252,22 +942,42 @@ mod tests {
         assert!(QuantMatrix::new(QuantKind::Q8_0, 1, 0, vec![]).is_none());
     }
 
+    /// The interleaved strips hold the file's weights: every row (the last strip padded)
+    /// dequantizes to what the file's blocks dequantize to.
+    #[test]
+    fn strips_hold_the_file_blocks() {
+        let mut seed = 17;
+        for kind in [QuantKind::Q4_1, QuantKind::Q8_0] {
+            let (rows, cols) = (21, 96);
+            let bytes = blocks(kind, rows, cols, &mut seed);
+            let mut want = vec![0f32; rows * cols];
+            crate::gguf::dequantize_into(kind.ggml_type(), &bytes, &mut want).unwrap();
+            let q = QuantMatrix::new(kind, rows, cols, bytes).unwrap();
+            let mut got = vec![0f32; cols];
+            for r in 0..rows {
+                q.dequantize_row(r, &mut got);
+                assert_eq!(got, want[r * cols..(r + 1) * cols], "{kind:?} row {r}");
+            }
+        }
+    }
+
     #[test]
     fn permuted_rows_move_whole() {
         let mut seed = 3;
         for kind in [QuantKind::Q8_0, QuantKind::Q4_1] {
-            let bytes = blocks(kind, 4, 64, &mut seed);
-            let q = QuantMatrix::new(kind, 4, 64, bytes).unwrap();
-            let p = q.permute_rows(|i| 3 - i);
-            let (mut a, mut b) = (vec![0f32; 64], vec![0f32; 64]);
-            for r in 0..4 {
-                q.dequantize_row::<false, false>(3 - r, &mut a);
-                p.dequantize_row::<false, false>(r, &mut b);
-                assert_eq!(a, b);
-                // The widened scales move with their blocks, and are the blocks' own.
-                assert_eq!(q.row_scales(3 - r), p.row_scales(r));
-                assert_eq!(p, QuantMatrix::new(kind, 4, 64, p.bytes.clone()).unwrap());
-            }
+            let (rows, cols) = (19, 64);
+            let bytes = blocks(kind, rows, cols, &mut seed);
+            let row_bytes = cols / BLOCK * kind.block_bytes();
+            // The file's rows reversed, packed: the same as the packed rows reversed.
+            let reversed: Vec<u8> = bytes
+                .chunks_exact(row_bytes)
+                .rev()
+                .flatten()
+                .copied()
+                .collect();
+            let q = QuantMatrix::new(kind, rows, cols, bytes).unwrap();
+            let p = q.permute_rows(|i| rows - 1 - i);
+            assert_eq!(p, QuantMatrix::new(kind, rows, cols, reversed).unwrap());
         }
     }
 }

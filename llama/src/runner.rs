@@ -46,11 +46,13 @@
 //!
 //! [`ModelRunner::sample_batch`] runs one decode step of several requests as one forward
 //! pass: each weight row is read once and multiplied with every request's vector, and each
-//! request attends over its own pages. Decode multiplies the file's Q4_1 and Q8_0 blocks as
-//! they are ([`crate::quant`]), dequantizing a row where it is used, with the same
-//! arithmetic and summation as the f32 weights: a request's logits are bit for bit the same
-//! alone, in any batch, quantized or not ([`LlamaRunner::with_quantized_decode`]), and a
-//! single [`ModelRunner::step`] is a batch of one.
+//! request attends over its own pages. Decode multiplies the file's Q4_1 and Q8_0 blocks
+//! with each vector quantized to 8 bits a value per block of 32, in integers
+//! ([`crate::int8`], as llama.cpp multiplies them): a request's logits are bit for bit the
+//! same alone and in any batch, on any thread count and whichever kernel the CPU runs, and
+//! a single [`ModelRunner::step`] is a batch of one. With quantized decode off
+//! ([`LlamaRunner::with_quantized_decode`]) decode multiplies the f32 weights and vectors
+//! instead, with the same guarantee.
 //!
 //! # Threads
 //!
@@ -242,9 +244,11 @@ impl LlamaRunner {
         self
     }
 
-    /// The same runner decoding with the f32 copies of the weights even where the file's
-    /// quantized blocks are kept (`false`), as it did before decode multiplied blocks: the
-    /// tokens are the same, the time is not (`kvllmbench runner` compares the two).
+    /// The same runner decoding with the f32 copies of the weights and f32 vectors even
+    /// where the file's quantized blocks are kept (`false`): the f32 computation, as
+    /// llama.cpp runs a model dequantized to f32. Its tokens can differ from the quantized
+    /// ones where two candidates are nearly tied; it is slower (`kvllmbench runner` compares
+    /// the two).
     pub fn with_quantized_decode(mut self, quantized: bool) -> LlamaRunner {
         self.quantized = quantized;
         self

@@ -45,12 +45,16 @@ fn an_altered_page_is_refused_and_without_verification_it_changes_the_output() {
     let model = llama::load::load_gguf(&path, g, 2).unwrap();
     let runner = model.runner.as_ref();
     let prompt = model
-        .encode_chat(&[Message::user("What is the capital of France?")])
+        .encode_chat(&[Message::user("Name the capital city of France.")])
         .unwrap();
     let n = u32::try_from(prompt.len()).unwrap();
     let last = *prompt.last().unwrap();
     let want = monolithic_paged(runner, &prompt, MAX_NEW, &Sampling::GREEDY).unwrap();
-    assert!(model.decode(&want.tokens).contains("Paris"));
+    assert!(
+        model.decode(&want.tokens).contains("Paris"),
+        "{:?}",
+        model.decode(&want.tokens)
+    );
 
     let pool = PagePool::host(
         c"kvneg",

@@ -11,7 +11,7 @@ import openai
 
 base_url, model, long_words, disconnect_max = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 client = openai.OpenAI(base_url=base_url, api_key="no-key-configured", max_retries=0, timeout=180)
-question = [{"role": "user", "content": "What is the capital of France?"}]
+question = [{"role": "user", "content": "Name the capital city of France."}]
 out = {"openai_version": openai.__version__}
 
 r = client.chat.completions.create(model=model, messages=question, max_tokens=12, temperature=0)

@@ -258,7 +258,7 @@ fn the_openai_client_gets_the_models_answers_and_clear_errors() {
 
     // The expected answers: the monolithic path of the same model, greedy.
     let chat_prompt = model
-        .encode_chat(&[Message::user("What is the capital of France?")])
+        .encode_chat(&[Message::user("Name the capital city of France.")])
         .expect("chat");
     let chat_want = monolithic_paged(model.runner.as_ref(), &chat_prompt, 12, &Sampling::GREEDY)
         .expect("monolithic");

@@ -71,7 +71,7 @@ fn prompts(model: &LoadedModel) -> Vec<(String, Vec<u32>)> {
     vec![
         (
             "chat: capital".into(),
-            chat("What is the capital of France?"),
+            chat("Name the capital city of France."),
         ),
         (
             "chat: colors".into(),

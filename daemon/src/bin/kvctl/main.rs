@@ -1115,7 +1115,7 @@ struct DemoRun {
 
 /// Questions the demo asks a real model (one user message each, in its chat template).
 const DEMO_QUESTIONS: [&str; 4] = [
-    "What is the capital of France?",
+    "Name the capital city of France.",
     "Name the three primary colors.",
     "What is 12 times 12?",
     "Write one sentence about the sea.",

@@ -1,0 +1,824 @@
+//! Decode's products of quantized weights, in integers.
+//!
+//! Each vector is quantized to 8 bits a value, per block of 32 ([`Q8Vec`], as llama.cpp
+//! quantizes activations against Q4_1 and Q8_0 weights). The dot product of a weight
+//! block with a vector block is then an integer sum, exact whatever adds it. Only the
+//! block sums are scaled and summed in f32, in one order for every kernel ([`finish`]):
+//!
+//! ```text
+//! acc = 0
+//! for each block b:  acc = fma(isum_b, d_w[b] * d_x[b], acc)
+//!                    acc = fma(m_w[b], s_x[b], acc)          (Q4_1 only)
+//! ```
+//!
+//! So a row's product with a vector is the same bits from every kernel, alone or in any
+//! batch: a request decodes to the same tokens whatever it is batched with, and whichever
+//! kernel the CPU runs. The kernels ([`Kernel`]) take a strip of 16 rows at a time, as
+//! [`QuantMatrix`] keeps them interleaved, a 512-bit lane a row:
+//!
+//! - AVX-512 VNNI: one `VPDPBUSD` multiplies four weights of the 16 rows by four bytes of a
+//!   vector; a strip's block is dequantized into registers once for up to four vectors.
+//! - AMX, from 12 vectors: one `TDPBSUD` multiplies a block of up to 16 vectors by the
+//!   strip's block. It needs the kernel's permission (Linux `arch_prctl`), asked once.
+//! - Plain code elsewhere, row by row: the reference the others are tested against.
+//!
+//! Measured on a 2-core AVX-512 machine (`kernel_speed` in `quant.rs`), a 1536 x 576 Q4_1
+//! product takes 13 us for one vector (the f32 kernel over dequantized blocks took 49) and
+//! 92 us for sixteen (VNNI alone 115, f32 331).
+
+use std::ops::Range;
+use std::sync::OnceLock;
+
+use crate::quant::{QuantKind, QuantMatrix, STRIP};
+
+/// Values per block, of the weights and of a quantized vector.
+pub(crate) const BLOCK: usize = 32;
+
+/// A vector quantized per block of [`BLOCK`] values: `q[i]` is `x[i] / d[b]` rounded to
+/// nearest (ties to even), `d[b]` the block's largest magnitude over 127, and `s[b]` is
+/// `d[b]` times the sum of the block's `q` (what Q4_1's minimum multiplies). A block with
+/// a value that is not finite has `d` and `s` NaN, so that every product with it is NaN;
+/// one too small for its scale to invert is all zeros.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Q8Vec {
+    pub(crate) q: Vec<i8>,
+    pub(crate) d: Vec<f32>,
+    pub(crate) s: Vec<f32>,
+    /// Each block's sum of `q` (what Q8_0's weights, kept plus 128, are corrected by).
+    pub(crate) sum: Vec<i32>,
+}
+
+impl Q8Vec {
+    /// `x` quantized; its length is a whole number of blocks (decode's are: shapes are
+    /// validated at load against the quantized matrices).
+    pub(crate) fn new(x: &[f32]) -> Q8Vec {
+        assert!(x.len().is_multiple_of(BLOCK), "Q8Vec: whole blocks");
+        let blocks = x.len() / BLOCK;
+        let mut v = Q8Vec {
+            q: vec![0; x.len()],
+            d: vec![0.0; blocks],
+            s: vec![0.0; blocks],
+            sum: vec![0; blocks],
+        };
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2 (checked just above); the lengths are whole blocks.
+            unsafe { quantize_avx2(x, &mut v) };
+            return v;
+        }
+        for (b, (x, q)) in x
+            .chunks_exact(BLOCK)
+            .zip(v.q.chunks_exact_mut(BLOCK))
+            .enumerate()
+        {
+            (v.d[b], v.s[b], v.sum[b]) = quantize_block(x, q);
+        }
+        v
+    }
+}
+
+/// The scale of a block whose largest magnitude is `amax`, and its inverse; `None` when
+/// the block quantizes to zeros (all zero, or too small for the inverse to be finite).
+#[inline(always)]
+fn scale(amax: f32) -> Option<(f32, f32)> {
+    let d = amax / 127.0;
+    let id = 1.0 / d;
+    (d > 0.0 && id.is_finite()).then_some((d, id))
+}
+
+/// One block of [`Q8Vec::new`]: fills `q`, returns `(d, s, sum)`.
+fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32, i32) {
+    let mut amax = 0f32;
+    let mut finite = true;
+    for v in x {
+        let a = v.abs();
+        finite &= a < f32::INFINITY;
+        amax = if a > amax { a } else { amax };
+    }
+    q.fill(0);
+    if !finite {
+        return (f32::NAN, f32::NAN, 0);
+    }
+    let Some((d, id)) = scale(amax) else {
+        return (0.0, 0.0, 0);
+    };
+    let mut sum = 0i32;
+    for (q, v) in q.iter_mut().zip(x) {
+        // |v * id| <= 127 (rounded): `v` is at most `amax` in magnitude.
+        #[allow(clippy::cast_possible_truncation)]
+        let r = (v * id).round_ties_even() as i32;
+        #[allow(clippy::cast_possible_truncation)]
+        {
+            *q = r as i8;
+        }
+        sum += r;
+    }
+    #[allow(clippy::cast_precision_loss)]
+    (d, d * sum as f32, sum)
+}
+
+/// [`quantize_block`] for every block, eight values at a time: the same maximum (exact
+/// in any order), the same scale, the same rounding (the CPU's default, to nearest even).
+///
+/// # Safety
+///
+/// The CPU has AVX2; `x` is as long as `v.q` and a whole number of blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_avx2(x: &[f32], v: &mut Q8Vec) {
+    use std::arch::x86_64::*;
+    debug_assert_eq!(x.len(), v.q.len());
+    let px = x.as_ptr();
+    let pq = v.q.as_mut_ptr();
+    // SAFETY: block `b` reads `x[32 b..32 b + 32]` and writes the same range of `q`, both
+    // as long as `x` (the caller's promise); AVX2 is the caller's promise too.
+    unsafe {
+        let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+        let inf = _mm256_set1_ps(f32::INFINITY);
+        for b in 0..x.len() / BLOCK {
+            // No closures here: a closure does not inherit its function's target features.
+            let mut xs = [_mm256_setzero_ps(); 4];
+            let mut a = [_mm256_setzero_ps(); 4];
+            let mut finite = 0xFF;
+            for k in 0..4 {
+                xs[k] = _mm256_loadu_ps(px.add(BLOCK * b + 8 * k));
+                a[k] = _mm256_and_ps(xs[k], abs_mask);
+                finite &= _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(a[k], inf));
+            }
+            let m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)));
+            let out = pq.add(BLOCK * b);
+            if finite != 0xFF {
+                std::ptr::write_bytes(out, 0, BLOCK);
+                (v.d[b], v.s[b], v.sum[b]) = (f32::NAN, f32::NAN, 0);
+                continue;
+            }
+            let Some((d, id)) = scale(amax) else {
+                std::ptr::write_bytes(out, 0, BLOCK);
+                (v.d[b], v.s[b], v.sum[b]) = (0.0, 0.0, 0);
+                continue;
+            };
+            let id = _mm256_set1_ps(id);
+            let mut q = [_mm256_setzero_si256(); 4];
+            for k in 0..4 {
+                q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(xs[k], id));
+            }
+            let s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+            let sum = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b00_00_00_01>(s)));
+            // Narrow to bytes (no value saturates: all are within ±127); the packs work
+            // within 128-bit lanes, the permute puts the eight runs of four back in order.
+            let p = _mm256_packs_epi16(
+                _mm256_packs_epi32(q[0], q[1]),
+                _mm256_packs_epi32(q[2], q[3]),
+            );
+            let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256(out.cast(), p);
+            #[allow(clippy::cast_precision_loss)]
+            {
+                (v.d[b], v.s[b], v.sum[b]) = (d, d * sum as f32, sum);
+            }
+        }
+    }
+}
+
+/// The f32 end of a row's product with one vector, block `b`'s integer sum `isum`
+/// folded into `acc`; every kernel computes exactly this (see the module docs).
+#[inline(always)]
+fn finish(acc: f32, isum: i32, d: f32, m: f32, x: &Q8Vec, b: usize, q4: bool) -> f32 {
+    // |isum| <= 32 * 128 * 127 < 2^24: exact in f32.
+    #[allow(clippy::cast_precision_loss)]
+    let acc = (isum as f32).mul_add(d * x.d[b], acc);
+    if q4 { m.mul_add(x.s[b], acc) } else { acc }
+}
+
+/// Row `r` of `q` times `x`, in plain code: the reference every kernel equals.
+pub(crate) fn dot_portable(q: &QuantMatrix, r: usize, x: &Q8Vec) -> f32 {
+    let q4 = q.kind() == QuantKind::Q4_1;
+    let mut acc = 0f32;
+    for b in 0..q.blocks() {
+        let (w, d, m) = q.block(r, b);
+        let isum: i32 = w
+            .iter()
+            .zip(&x.q[b * BLOCK..(b + 1) * BLOCK])
+            .map(|(w, x)| w * i32::from(*x))
+            .sum();
+        acc = finish(acc, isum, d, m, x, b, q4);
+    }
+    acc
+}
+
+/// Which kernel [`matvec`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kernel {
+    /// AMX tiles for a strip by up to 16 vectors, AVX-512 VNNI below [`AMX_FROM`] vectors.
+    Amx,
+    /// AVX-512 VNNI: a strip against up to [`GROUP`] vectors at a time.
+    Vnni,
+    /// [`dot_portable`], row by row.
+    Portable,
+}
+
+impl Kernel {
+    /// The fastest this CPU (and, for AMX, the operating system) runs.
+    pub(crate) fn best() -> Kernel {
+        static BEST: OnceLock<Kernel> = OnceLock::new();
+        *BEST.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            if vnni() {
+                return if amx::available() {
+                    Kernel::Amx
+                } else {
+                    Kernel::Vnni
+                };
+            }
+            Kernel::Portable
+        })
+    }
+
+    /// Every kernel this CPU runs (for tests).
+    #[cfg(test)]
+    pub(crate) fn all() -> Vec<Kernel> {
+        [Kernel::Amx, Kernel::Vnni, Kernel::Portable]
+            .into_iter()
+            .filter(|k| match k {
+                Kernel::Amx => Kernel::best() == Kernel::Amx,
+                Kernel::Vnni => Kernel::best() != Kernel::Portable,
+                Kernel::Portable => true,
+            })
+            .collect()
+    }
+}
+
+/// Whether the CPU has AVX-512F and AVX-512 VNNI.
+#[cfg(target_arch = "x86_64")]
+fn vnni() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512vnni")
+}
+
+/// Vectors the VNNI kernel takes at once.
+const GROUP: usize = 4;
+
+/// From how many vectors the AMX kernel takes over from the VNNI one.
+const AMX_FROM: usize = 12;
+
+/// Rows `rows` of `q` times every vector of `xs`: `out[v * stride + i]` is row
+/// `rows.start + i` times `xs[v]`, the same bits whatever the kernel.
+pub(crate) fn matvec(
+    q: &QuantMatrix,
+    xs: &[Q8Vec],
+    rows: Range<usize>,
+    out: &mut [f32],
+    stride: usize,
+) {
+    matvec_with(Kernel::best(), q, xs, rows, out, stride);
+}
+
+/// [`matvec`] on `kernel`, which this CPU runs.
+pub(crate) fn matvec_with(
+    kernel: Kernel,
+    q: &QuantMatrix,
+    xs: &[Q8Vec],
+    rows: Range<usize>,
+    out: &mut [f32],
+    stride: usize,
+) {
+    assert!(
+        xs.iter().all(|x| x.q.len() == q.cols()),
+        "int8::matvec: vector length"
+    );
+    assert!(rows.end <= q.rows(), "int8::matvec: rows out of range");
+    if rows.is_empty() || xs.is_empty() {
+        return;
+    }
+    assert!(
+        out.len() >= (xs.len() - 1) * stride + rows.len(),
+        "int8::matvec: output too short"
+    );
+    if kernel == Kernel::Portable {
+        for (i, r) in rows.clone().enumerate() {
+            for (v, x) in xs.iter().enumerate() {
+                out[v * stride + i] = dot_portable(q, r, x);
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let tiles = (kernel == Kernel::Amx && xs.len() >= AMX_FROM).then(|| {
+            xs.chunks(amx::VECTORS)
+                .map(amx::Group::new)
+                .collect::<Vec<_>>()
+        });
+        // The strips the rows touch; each is computed whole and its rows in `rows` kept.
+        for s in rows.start / STRIP..rows.end.div_ceil(STRIP) {
+            let mut put = |v: usize, strip: &[f32; STRIP]| {
+                for (k, value) in strip.iter().enumerate() {
+                    let r = s * STRIP + k;
+                    if rows.contains(&r) {
+                        out[v * stride + r - rows.start] = *value;
+                    }
+                }
+            };
+            if let Some(tiles) = &tiles {
+                for (g, group) in tiles.iter().enumerate() {
+                    // SAFETY: `Kernel::Amx` is only `best` where the CPU has AMX-INT8,
+                    // AVX-512F and VNNI and the process may use the tiles; the vectors are a
+                    // row long (asserted).
+                    let sums = unsafe { group.strip(q, s) };
+                    for (v, strip) in sums.iter().take(group.len()).enumerate() {
+                        put(g * amx::VECTORS + v, strip);
+                    }
+                }
+                continue;
+            }
+            for (g, group) in xs.chunks(GROUP).enumerate() {
+                // SAFETY: the kernel runs only where the CPU has AVX-512F and VNNI
+                // (`Kernel::best`); the vectors are a row long (asserted).
+                let sums = unsafe {
+                    match group {
+                        [a] => strip_vnni(q, s, [a]).to_vec(),
+                        [a, b] => strip_vnni(q, s, [a, b]).to_vec(),
+                        [a, b, c] => strip_vnni(q, s, [a, b, c]).to_vec(),
+                        [a, b, c, d] => strip_vnni(q, s, [a, b, c, d]).to_vec(),
+                        _ => unreachable!("groups of one to {GROUP}"),
+                    }
+                };
+                for (v, strip) in sums.iter().enumerate() {
+                    put(g * GROUP + v, strip);
+                }
+            }
+        }
+    }
+}
+
+/// Bytes a prefetch runs ahead of the strips being read: the matrix is read as one stream,
+/// strip after strip.
+#[cfg(target_arch = "x86_64")]
+const AHEAD: usize = 2048;
+
+/// Strip `s` of `q` times each of `xs`: for each vector the 16 rows' products. A
+/// `VPDPBUSD` multiplies four weights of all 16 rows by four bytes of a vector; eight of
+/// them are a block.
+///
+/// # Safety
+///
+/// The CPU has AVX-512F and AVX-512 VNNI; every vector is a row long.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vnni")]
+unsafe fn strip_vnni<const V: usize>(
+    q: &QuantMatrix,
+    s: usize,
+    xs: [&Q8Vec; V],
+) -> [[f32; STRIP]; V] {
+    use std::arch::x86_64::*;
+    let q4 = q.kind() == QuantKind::Q4_1;
+    // SAFETY: every load is inside the strip's block (its chunks of 64 bytes), its scales
+    // (32 f32) or a vector's block (32 bytes, 8 of 4); a prefetch never faults and its
+    // address is only computed; the features are the caller's promise.
+    unsafe {
+        let low = _mm512_set1_epi8(0x0F);
+        let mut acc = [_mm512_setzero_ps(); V];
+        for b in 0..q.blocks() {
+            let data = q.strip_block(s, b).as_ptr();
+            let scales = q.strip_scales(s, b).as_ptr();
+            _mm_prefetch::<_MM_HINT_T0>(data.wrapping_add(AHEAD).cast());
+            _mm_prefetch::<_MM_HINT_T0>(data.wrapping_add(AHEAD + 64).cast());
+            _mm_prefetch::<_MM_HINT_T0>(scales.wrapping_add(AHEAD / 8).cast());
+            // w[g]: weights 4 g..4 g + 4 of the 16 rows.
+            let mut w = [_mm512_setzero_si512(); 8];
+            if q4 {
+                for j in 0..4 {
+                    let c = _mm512_loadu_si512(data.add(64 * j).cast());
+                    w[j] = _mm512_and_si512(c, low);
+                    w[j + 4] = _mm512_and_si512(_mm512_srli_epi32::<4>(c), low);
+                }
+            } else {
+                for (g, w) in w.iter_mut().enumerate() {
+                    *w = _mm512_loadu_si512(data.add(64 * g).cast());
+                }
+            }
+            let d = _mm512_loadu_ps(scales);
+            let m = _mm512_loadu_ps(scales.add(STRIP));
+            for (acc, x) in acc.iter_mut().zip(xs) {
+                let xb = x.q.as_ptr().add(BLOCK * b).cast::<i32>();
+                let (mut i0, mut i1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                for g in (0..8).step_by(2) {
+                    let (x0, x1) = (xb.add(g).read_unaligned(), xb.add(g + 1).read_unaligned());
+                    i0 = _mm512_dpbusd_epi32(i0, w[g], _mm512_set1_epi32(x0));
+                    i1 = _mm512_dpbusd_epi32(i1, w[g + 1], _mm512_set1_epi32(x1));
+                }
+                let mut isum = _mm512_add_epi32(i0, i1);
+                if !q4 {
+                    // The weights were stored plus 128.
+                    isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * x.sum[b]));
+                }
+                let dd = _mm512_mul_ps(d, _mm512_set1_ps(x.d[b]));
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, *acc);
+                if q4 {
+                    *acc = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[b]), *acc);
+                }
+            }
+        }
+        let mut out = [[0f32; STRIP]; V];
+        for (o, acc) in out.iter_mut().zip(acc) {
+            _mm512_storeu_ps(o.as_mut_ptr(), acc);
+        }
+        out
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod amx {
+    //! The AMX kernel: one `TDPBSUD` multiplies a block of up to 16 vectors (signed bytes,
+    //! tile A: a vector a row) by the block of a strip's 16 rows (tile B: the strip's
+    //! chunks as they are kept, Q4_1's nibbles widened to bytes first), into a tile of
+    //! integer sums, a row of 16 (one a weight row) for each vector, then scaled as the
+    //! VNNI kernel scales its own.
+    //!
+    //! The tile instructions are written as inline assembly (the compiler's AMX
+    //! intrinsics are not stable); the compiler never uses tile registers itself, so they
+    //! hold their values from one `asm!` to the next.
+
+    use std::arch::asm;
+    use std::arch::x86_64::*;
+
+    use super::{BLOCK, OnceLock, Q8Vec, QuantKind, QuantMatrix, STRIP};
+
+    /// Vectors of a tile.
+    pub(super) const VECTORS: usize = 16;
+
+    /// Whether the CPU has AMX-INT8 and the kernel lets this process use the tiles.
+    pub(super) fn available() -> bool {
+        static AVAILABLE: OnceLock<bool> = OnceLock::new();
+        *AVAILABLE.get_or_init(|| {
+            // CPUID leaf 7, EDX bits 24 (AMX-TILE) and 25 (AMX-INT8).
+            super::vnni() && __cpuid_count(7, 0).edx & (3 << 24) == 3 << 24 && permitted()
+        })
+    }
+
+    /// Asks Linux for the tile data state (`ARCH_REQ_XCOMP_PERM`, `XFEATURE_XTILEDATA`):
+    /// without it the first tile instruction faults.
+    #[cfg(target_os = "linux")]
+    fn permitted() -> bool {
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: arch_prctl with this request only changes what the process may use.
+        unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_REQ_XCOMP_PERM,
+                XFEATURE_XTILEDATA,
+            ) == 0
+        }
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn permitted() -> bool {
+        false
+    }
+
+    /// The tile shapes for `n` vectors: tmm0 to tmm3 the sums of four blocks (`n` rows of
+    /// 16 i32), tmm4 and tmm5 the vectors (`n` rows of 32 bytes), tmm6 and tmm7 the
+    /// weights (8 rows of 16 rows by 4 bytes).
+    #[repr(C, align(64))]
+    struct Config([u8; 64]);
+
+    impl Config {
+        fn new(n: u8) -> Config {
+            let mut c = [0u8; 64];
+            c[0] = 1; // palette 1
+            let shapes = [(64u16, n); 4]
+                .into_iter()
+                .chain([(32, n); 2])
+                .chain([(64, 8); 2]);
+            for (t, (colsb, rows)) in shapes.enumerate() {
+                c[16 + 2 * t..18 + 2 * t].copy_from_slice(&colsb.to_le_bytes());
+                c[48 + t] = rows;
+            }
+            Config(c)
+        }
+    }
+
+    /// Blocks the kernel multiplies at once, each into its own tile of sums.
+    const DEPTH: usize = 4;
+
+    /// Tiles of sums, [`DEPTH`] blocks of a row of 16 i32 for each vector.
+    #[repr(C, align(64))]
+    struct Sums([[[i32; STRIP]; VECTORS]; DEPTH]);
+
+    /// [`DEPTH`] blocks' weights of a strip, as tile B takes them.
+    #[repr(C, align(64))]
+    struct Weights([[u8; 512]; DEPTH]);
+
+    /// Up to [`VECTORS`] vectors as tile A takes them, a row each.
+    pub(super) struct Group<'a> {
+        xs: &'a [Q8Vec],
+        a: Vec<i8>,
+        config: Config,
+    }
+
+    impl<'a> Group<'a> {
+        pub(super) fn new(xs: &'a [Q8Vec]) -> Group<'a> {
+            let cols = xs[0].q.len();
+            let mut a = vec![0i8; xs.len() * cols];
+            for (row, x) in a.chunks_exact_mut(cols).zip(xs) {
+                row.copy_from_slice(&x.q);
+            }
+            #[allow(clippy::cast_possible_truncation)]
+            let config = Config::new(xs.len() as u8);
+            Group { xs, a, config }
+        }
+
+        pub(super) fn len(&self) -> usize {
+            self.xs.len()
+        }
+
+        /// Strip `s` of `q` times each vector, as [`super::strip_vnni`] computes it.
+        ///
+        /// # Safety
+        ///
+        /// [`available`] said yes; every vector is a row of `q` long.
+        #[target_feature(enable = "avx512f")]
+        pub(super) unsafe fn strip(&self, q: &QuantMatrix, s: usize) -> [[f32; STRIP]; VECTORS] {
+            let (xs, cols) = (self.xs, q.cols());
+            debug_assert!((1..=VECTORS).contains(&xs.len()));
+            let q4 = q.kind() == QuantKind::Q4_1;
+            let a = &self.a;
+            let mut sums = Sums([[[0; STRIP]; VECTORS]; DEPTH]);
+            let mut wide = Weights([[0; 512]; DEPTH]);
+            let mut acc = [_mm512_setzero_ps(); VECTORS];
+            // SAFETY: loading a tile configuration is allowed once the process has the
+            // permission (`available`, the caller's promise).
+            unsafe { asm!("ldtilecfg [{}]", in(reg) self.config.0.as_ptr(), options(nostack)) };
+            let blocks = q.blocks();
+            for first in (0..blocks).step_by(DEPTH) {
+                let depth = DEPTH.min(blocks - first);
+                // Tile B of each block: the strip's blocks are consecutive, 512 bytes each
+                // for Q8_0; Q4_1's nibbles are widened into `wide` first.
+                let weights = if q4 {
+                    for (i, wide) in wide.0.iter_mut().take(depth).enumerate() {
+                        let data = q.strip_block(s, first + i);
+                        // SAFETY: 4 chunks of 64 bytes in, 8 out; AVX-512F is enabled here.
+                        unsafe {
+                            let low = _mm512_set1_epi8(0x0F);
+                            for j in 0..4 {
+                                let c = _mm512_loadu_si512(data.as_ptr().add(64 * j).cast());
+                                let (lo, hi) = (
+                                    _mm512_and_si512(c, low),
+                                    _mm512_and_si512(_mm512_srli_epi32::<4>(c), low),
+                                );
+                                _mm512_store_si512(wide.as_mut_ptr().add(64 * j).cast(), lo);
+                                _mm512_store_si512(wide.as_mut_ptr().add(64 * (j + 4)).cast(), hi);
+                            }
+                        }
+                    }
+                    wide.0.as_ptr().cast::<u8>()
+                } else {
+                    q.strip_block(s, first).as_ptr()
+                };
+                // SAFETY: block `first + i`'s tile A reads `n` rows of 32 bytes at `cols`
+                // from column `32 (first + i)` of `a` (`n` rows of `cols`), its tile B the
+                // 512 bytes at `weights + 512 i` (`wide`, or the strip's blocks, whole ones:
+                // `depth` is what is left), its sums are stored into `sums.0[i]` (`n` rows
+                // of 64 bytes). The shapes are the configuration loaded above.
+                unsafe {
+                    let (a, c) = (a.as_ptr().add(BLOCK * first), sums.0.as_mut_ptr());
+                    if depth == DEPTH {
+                        asm!(
+                            "tilezero tmm0",
+                            "tilezero tmm1",
+                            "tilezero tmm2",
+                            "tilezero tmm3",
+                            "tileloadd tmm4, [{a} + {sa} * 1]",
+                            "tileloadd tmm6, [{w} + {s64} * 1]",
+                            "tdpbsud tmm0, tmm4, tmm6",
+                            "tileloadd tmm5, [{a} + {sa} * 1 + 32]",
+                            "tileloadd tmm7, [{w} + {s64} * 1 + 512]",
+                            "tdpbsud tmm1, tmm5, tmm7",
+                            "tileloadd tmm4, [{a} + {sa} * 1 + 64]",
+                            "tileloadd tmm6, [{w} + {s64} * 1 + 1024]",
+                            "tdpbsud tmm2, tmm4, tmm6",
+                            "tileloadd tmm5, [{a} + {sa} * 1 + 96]",
+                            "tileloadd tmm7, [{w} + {s64} * 1 + 1536]",
+                            "tdpbsud tmm3, tmm5, tmm7",
+                            "tilestored [{c} + {s64} * 1], tmm0",
+                            "tilestored [{c} + {s64} * 1 + 1024], tmm1",
+                            "tilestored [{c} + {s64} * 1 + 2048], tmm2",
+                            "tilestored [{c} + {s64} * 1 + 3072], tmm3",
+                            a = in(reg) a, sa = in(reg) cols, w = in(reg) weights,
+                            c = in(reg) c, s64 = in(reg) 64usize,
+                            options(nostack),
+                        );
+                    } else {
+                        for i in 0..depth {
+                            asm!(
+                                "tilezero tmm0",
+                                "tileloadd tmm4, [{a} + {sa} * 1]",
+                                "tileloadd tmm6, [{w} + {s64} * 1]",
+                                "tdpbsud tmm0, tmm4, tmm6",
+                                "tilestored [{c} + {s64} * 1], tmm0",
+                                a = in(reg) a.add(BLOCK * i), sa = in(reg) cols,
+                                w = in(reg) weights.add(512 * i),
+                                c = in(reg) c.add(i), s64 = in(reg) 64usize,
+                                options(nostack),
+                            );
+                        }
+                    }
+                }
+                for (i, sums) in sums.0.iter().take(depth).enumerate() {
+                    let b = first + i;
+                    let scales = q.strip_scales(s, b);
+                    // SAFETY: 32 scales, 16 sums a vector; AVX-512F is enabled here.
+                    unsafe {
+                        let d = _mm512_loadu_ps(scales.as_ptr());
+                        let m = _mm512_loadu_ps(scales.as_ptr().add(STRIP));
+                        for ((acc, x), sums) in acc.iter_mut().zip(xs).zip(sums) {
+                            let mut isum = _mm512_load_si512(sums.as_ptr().cast());
+                            if !q4 {
+                                // The weights were stored plus 128.
+                                isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * x.sum[b]));
+                            }
+                            let dd = _mm512_mul_ps(d, _mm512_set1_ps(x.d[b]));
+                            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, *acc);
+                            if q4 {
+                                *acc = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[b]), *acc);
+                            }
+                        }
+                    }
+                }
+            }
+            // SAFETY: releasing the tiles is always allowed; it spares every later context
+            // switch of this thread saving them.
+            unsafe { asm!("tilerelease", options(nostack)) };
+            let mut out = [[0f32; STRIP]; VECTORS];
+            for (o, acc) in out.iter_mut().zip(acc) {
+                // SAFETY: 16 f32; AVX-512F is enabled here.
+                unsafe { _mm512_storeu_ps(o.as_mut_ptr(), acc) };
+            }
+            out
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> u64 {
+        *seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        *seed >> 33
+    }
+
+    fn values(n: usize, seed: &mut u64) -> Vec<f32> {
+        (0..n)
+            .map(|_| (lcg(seed) % 2001) as f32 / 1000.0 - 1.0)
+            .collect()
+    }
+
+    #[test]
+    fn quantizing_is_the_same_everywhere_and_keeps_non_finite_values() {
+        let mut seed = 11;
+        let mut x = values(32 * 12, &mut seed);
+        x[3] = f32::NAN; // block 0
+        x[40] = f32::INFINITY; // block 1
+        x[64..96].fill(0.0); // block 2
+        x[96..128].iter_mut().for_each(|v| *v *= 1e-38); // block 3: too small to scale
+        // Ties: block 4's largest is 127, so its values are their own quotients.
+        for (i, v) in x[128..160].iter_mut().enumerate() {
+            *v = i as f32 - 15.5;
+        }
+        x[159] = 127.0;
+        let v = Q8Vec::new(&x);
+        let mut want = Q8Vec {
+            q: vec![0; x.len()],
+            d: vec![0.0; 12],
+            s: vec![0.0; 12],
+            sum: vec![0; 12],
+        };
+        for (b, (x, q)) in x
+            .chunks_exact(BLOCK)
+            .zip(want.q.chunks_exact_mut(BLOCK))
+            .enumerate()
+        {
+            (want.d[b], want.s[b], want.sum[b]) = quantize_block(x, q);
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(v.q, want.q);
+        assert_eq!(bits(&v.d), bits(&want.d));
+        assert_eq!(bits(&v.s), bits(&want.s));
+        assert!(v.d[0].is_nan() && v.d[1].is_nan() && v.s[1].is_nan());
+        assert_eq!((v.d[2], v.d[3]), (0.0, 0.0));
+        assert!(v.q[96..128].iter().all(|&q| q == 0));
+        // -15.5 and -14.5 .. 15.5 round to even; 127 stays 127.
+        assert_eq!(&v.q[128..132], &[-16, -14, -14, -12]);
+        assert_eq!(v.q[159], 127);
+        // Elsewhere the quantized values are within half a step of the input.
+        for b in 5..12 {
+            for (q, x) in v.q[b * 32..(b + 1) * 32].iter().zip(&x[b * 32..]) {
+                assert!((f32::from(*q) * v.d[b] - x).abs() <= v.d[b] * 0.5 + 1e-7);
+            }
+        }
+    }
+
+    fn blocks(kind: QuantKind, rows: usize, cols: usize, seed: &mut u64) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        for _ in 0..rows * cols / BLOCK {
+            let start = bytes.len();
+            let scale = |seed: &mut u64| {
+                let v = (lcg(seed) % 2000) as f32 / 1000.0 - 1.0;
+                half::f16::from_f32(v * 0.05).to_le_bytes()
+            };
+            bytes.extend_from_slice(&scale(seed));
+            if kind == QuantKind::Q4_1 {
+                bytes.extend_from_slice(&scale(seed));
+            }
+            while bytes.len() - start < kind.block_bytes() {
+                bytes.push(lcg(seed).to_le_bytes()[0]);
+            }
+        }
+        bytes
+    }
+
+    /// Every kernel this CPU runs gives every (row, vector) the reference's bits, for any
+    /// number of vectors (one or two tile groups) and rows (whole tiles and a tail), and
+    /// the result is close to the product of the dequantized weights in f32.
+    #[test]
+    fn every_kernel_gives_the_reference_bits() {
+        let mut seed = 5;
+        for kind in [QuantKind::Q4_1, QuantKind::Q8_0] {
+            for (rows, cols) in [(40, 64), (35, 576), (16, 32)] {
+                let bytes = blocks(kind, rows, cols, &mut seed);
+                let mut f = vec![0f32; rows * cols];
+                crate::gguf::dequantize_into(kind.ggml_type(), &bytes, &mut f).unwrap();
+                let q = QuantMatrix::new(kind, rows, cols, bytes).unwrap();
+                for vectors in [1, 2, 7, 16, 17] {
+                    let xs: Vec<Q8Vec> = (0..vectors)
+                        .map(|_| Q8Vec::new(&values(cols, &mut seed)))
+                        .collect();
+                    // Rows from 1: strips that do not start at a multiple of 16.
+                    let span = 1..rows;
+                    let n = span.len();
+                    let mut got = vec![0f32; vectors * n];
+                    matvec(&q, &xs, span.clone(), &mut got, n);
+                    for kernel in Kernel::all() {
+                        let mut other = vec![0f32; vectors * n];
+                        matvec_with(kernel, &q, &xs, span.clone(), &mut other, n);
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(
+                            bits(&other),
+                            bits(&got),
+                            "{kernel:?}, {kind:?} {rows}x{cols}, {vectors} vectors"
+                        );
+                    }
+                    for (v, x) in xs.iter().enumerate() {
+                        for (i, r) in span.clone().enumerate() {
+                            let want = dot_portable(&q, r, x);
+                            assert_eq!(
+                                got[v * n + i].to_bits(),
+                                want.to_bits(),
+                                "{kind:?} {rows}x{cols}, {vectors} vectors: row {r} vector {v}"
+                            );
+                            // The dequantized product, of the quantized vector's values.
+                            let xq: Vec<f32> = (0..cols)
+                                .map(|i| f32::from(x.q[i]) * x.d[i / BLOCK])
+                                .collect();
+                            let exact: f64 = f[r * cols..(r + 1) * cols]
+                                .iter()
+                                .zip(&xq)
+                                .map(|(w, x)| f64::from(*w) * f64::from(*x))
+                                .sum();
+                            let scale: f64 = f[r * cols..(r + 1) * cols]
+                                .iter()
+                                .zip(&xq)
+                                .map(|(w, x)| (f64::from(*w) * f64::from(*x)).abs())
+                                .sum();
+                            assert!(
+                                (f64::from(want) - exact).abs() <= 1e-5 * scale + 1e-6,
+                                "{kind:?} row {r} vector {v}: {want} against {exact}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_vector_that_is_not_finite_gives_nan() {
+        let mut seed = 9;
+        let bytes = blocks(QuantKind::Q4_1, 32, 64, &mut seed);
+        let q = QuantMatrix::new(QuantKind::Q4_1, 32, 64, bytes).unwrap();
+        let mut x = values(64, &mut seed);
+        x[50] = f32::NAN;
+        let xs = [Q8Vec::new(&values(64, &mut seed)), Q8Vec::new(&x)];
+        let mut out = vec![0f32; 64];
+        matvec(&q, &xs, 0..32, &mut out, 32);
+        assert!(out[..32].iter().all(|v| v.is_finite()));
+        assert!(out[32..].iter().all(|v| v.is_nan()));
+    }
+}
