@@ -152,6 +152,11 @@ impl Member<'_> {
         start..(start + per).min(n)
     }
 
+    /// Members in the team.
+    pub(crate) fn count(&self) -> usize {
+        self.count
+    }
+
     /// Waits until every member got here.
     pub(crate) fn sync(&self) {
         self.barrier.wait();

@@ -59,7 +59,9 @@
 //! Prefill splits the rows of each product, and the attention heads, over the runner's
 //! threads. A decode step starts its threads once and they run the whole forward pass
 //! together, each taking a share of the rows of every product (for every request of the
-//! batch) and of each request's query heads, meeting at a spinning barrier between phases
+//! batch) and a share of the requests' attention (whole requests when the batch has as many
+//! as threads, so that each request's pages are read once; else a share of each request's
+//! query heads), meeting at a spinning barrier between phases
 //! (see the `math` module). The thread count changes no result: threads split independent
 //! outputs only, never a sum.
 //!
@@ -603,8 +605,17 @@ impl LlamaRunner {
                 for head in q.chunks_exact_mut(d.hd) {
                     math::rope_head(head, cos, sin);
                 }
-                // This member's query heads of request `b`.
-                let heads = m.share(d.heads);
+                // This member's query heads of request `b`: all of them for its share of
+                // the requests when there are as many requests as members (each request's
+                // pages are then read by one member only), else its share of the heads.
+                let heads = if n >= m.count() {
+                    if !m.share(n).contains(&b) {
+                        continue;
+                    }
+                    0..d.heads
+                } else {
+                    m.share(d.heads)
+                };
                 let span = heads.start * d.hd..heads.end * d.hd;
                 let att = &mut att[b * d.q()..(b + 1) * d.q()];
                 let q = &q[span.clone()];
