@@ -516,22 +516,37 @@ mod amx {
     struct Weights([[u8; 512]; DEPTH]);
 
     /// Up to [`VECTORS`] vectors as tile A takes them, a row each.
+    /// Each block's `d`, `s` and sum of every vector of a group (zero past the last), so
+    /// that the scaling runs over all 16 lanes with no branch on the group's size.
     pub(super) struct Group<'a> {
         xs: &'a [Q8Vec],
         a: Vec<i8>,
+        d: Vec<[f32; VECTORS]>,
+        s: Vec<[f32; VECTORS]>,
+        sum: Vec<[i32; VECTORS]>,
         config: Config,
     }
 
     impl<'a> Group<'a> {
         pub(super) fn new(xs: &'a [Q8Vec]) -> Group<'a> {
             let cols = xs[0].q.len();
-            let mut a = vec![0i8; xs.len() * cols];
-            for (row, x) in a.chunks_exact_mut(cols).zip(xs) {
+            let blocks = cols / BLOCK;
+            let mut g = Group {
+                xs,
+                a: vec![0i8; xs.len() * cols],
+                d: vec![[0.0; VECTORS]; blocks],
+                s: vec![[0.0; VECTORS]; blocks],
+                sum: vec![[0; VECTORS]; blocks],
+                #[allow(clippy::cast_possible_truncation)]
+                config: Config::new(xs.len() as u8),
+            };
+            for (v, (row, x)) in g.a.chunks_exact_mut(cols).zip(xs).enumerate() {
                 row.copy_from_slice(&x.q);
+                for b in 0..blocks {
+                    (g.d[b][v], g.s[b][v], g.sum[b][v]) = (x.d[b], x.s[b], x.sum[b]);
+                }
             }
-            #[allow(clippy::cast_possible_truncation)]
-            let config = Config::new(xs.len() as u8);
-            Group { xs, a, config }
+            g
         }
 
         pub(super) fn len(&self) -> usize {
@@ -540,116 +555,39 @@ mod amx {
 
         /// Strip `s` of `q` times each vector, as [`super::strip_vnni`] computes it.
         ///
+        /// The blocks go [`DEPTH`] at a time, in two stages a group apart: the tiles of
+        /// group `i + 1` are multiplied and stored while the sums of group `i`, stored one
+        /// group earlier, are scaled, so that no scaling waits for the store of its tiles.
+        ///
         /// # Safety
         ///
         /// [`available`] said yes; every vector is a row of `q` long.
         #[target_feature(enable = "avx512f")]
         pub(super) unsafe fn strip(&self, q: &QuantMatrix, s: usize) -> [[f32; STRIP]; VECTORS] {
-            let (xs, cols) = (self.xs, q.cols());
-            debug_assert!((1..=VECTORS).contains(&xs.len()));
-            let q4 = q.kind() == QuantKind::Q4_1;
-            let a = &self.a;
-            let mut sums = Sums([[[0; STRIP]; VECTORS]; DEPTH]);
+            debug_assert!((1..=VECTORS).contains(&self.xs.len()));
+            let mut sums = [
+                Sums([[[0; STRIP]; VECTORS]; DEPTH]),
+                Sums([[[0; STRIP]; VECTORS]; DEPTH]),
+            ];
             let mut wide = Weights([[0; 512]; DEPTH]);
             let mut acc = [_mm512_setzero_ps(); VECTORS];
             // SAFETY: loading a tile configuration is allowed once the process has the
             // permission (`available`, the caller's promise).
             unsafe { asm!("ldtilecfg [{}]", in(reg) self.config.0.as_ptr(), options(nostack)) };
             let blocks = q.blocks();
-            for first in (0..blocks).step_by(DEPTH) {
-                let depth = DEPTH.min(blocks - first);
-                // Tile B of each block: the strip's blocks are consecutive, 512 bytes each
-                // for Q8_0; Q4_1's nibbles are widened into `wide` first.
-                let weights = if q4 {
-                    for (i, wide) in wide.0.iter_mut().take(depth).enumerate() {
-                        let data = q.strip_block(s, first + i);
-                        // SAFETY: 4 chunks of 64 bytes in, 8 out; AVX-512F is enabled here.
-                        unsafe {
-                            let low = _mm512_set1_epi8(0x0F);
-                            for j in 0..4 {
-                                let c = _mm512_loadu_si512(data.as_ptr().add(64 * j).cast());
-                                let (lo, hi) = (
-                                    _mm512_and_si512(c, low),
-                                    _mm512_and_si512(_mm512_srli_epi32::<4>(c), low),
-                                );
-                                _mm512_store_si512(wide.as_mut_ptr().add(64 * j).cast(), lo);
-                                _mm512_store_si512(wide.as_mut_ptr().add(64 * (j + 4)).cast(), hi);
-                            }
-                        }
+            let groups = blocks.div_ceil(DEPTH);
+            let group = |g: usize| (g * DEPTH, DEPTH.min(blocks - g * DEPTH));
+            // SAFETY: the caller's promise; the groups are inside the strip's blocks.
+            unsafe {
+                let (first, depth) = group(0);
+                self.issue(q, s, first, depth, &mut wide, &mut sums[0]);
+                for g in 0..groups {
+                    if g + 1 < groups {
+                        let (first, depth) = group(g + 1);
+                        self.issue(q, s, first, depth, &mut wide, &mut sums[(g + 1) % 2]);
                     }
-                    wide.0.as_ptr().cast::<u8>()
-                } else {
-                    q.strip_block(s, first).as_ptr()
-                };
-                // SAFETY: block `first + i`'s tile A reads `n` rows of 32 bytes at `cols`
-                // from column `32 (first + i)` of `a` (`n` rows of `cols`), its tile B the
-                // 512 bytes at `weights + 512 i` (`wide`, or the strip's blocks, whole ones:
-                // `depth` is what is left), its sums are stored into `sums.0[i]` (`n` rows
-                // of 64 bytes). The shapes are the configuration loaded above.
-                unsafe {
-                    let (a, c) = (a.as_ptr().add(BLOCK * first), sums.0.as_mut_ptr());
-                    if depth == DEPTH {
-                        asm!(
-                            "tilezero tmm0",
-                            "tilezero tmm1",
-                            "tilezero tmm2",
-                            "tilezero tmm3",
-                            "tileloadd tmm4, [{a} + {sa} * 1]",
-                            "tileloadd tmm6, [{w} + {s64} * 1]",
-                            "tdpbsud tmm0, tmm4, tmm6",
-                            "tileloadd tmm5, [{a} + {sa} * 1 + 32]",
-                            "tileloadd tmm7, [{w} + {s64} * 1 + 512]",
-                            "tdpbsud tmm1, tmm5, tmm7",
-                            "tileloadd tmm4, [{a} + {sa} * 1 + 64]",
-                            "tileloadd tmm6, [{w} + {s64} * 1 + 1024]",
-                            "tdpbsud tmm2, tmm4, tmm6",
-                            "tileloadd tmm5, [{a} + {sa} * 1 + 96]",
-                            "tileloadd tmm7, [{w} + {s64} * 1 + 1536]",
-                            "tdpbsud tmm3, tmm5, tmm7",
-                            "tilestored [{c} + {s64} * 1], tmm0",
-                            "tilestored [{c} + {s64} * 1 + 1024], tmm1",
-                            "tilestored [{c} + {s64} * 1 + 2048], tmm2",
-                            "tilestored [{c} + {s64} * 1 + 3072], tmm3",
-                            a = in(reg) a, sa = in(reg) cols, w = in(reg) weights,
-                            c = in(reg) c, s64 = in(reg) 64usize,
-                            options(nostack),
-                        );
-                    } else {
-                        for i in 0..depth {
-                            asm!(
-                                "tilezero tmm0",
-                                "tileloadd tmm4, [{a} + {sa} * 1]",
-                                "tileloadd tmm6, [{w} + {s64} * 1]",
-                                "tdpbsud tmm0, tmm4, tmm6",
-                                "tilestored [{c} + {s64} * 1], tmm0",
-                                a = in(reg) a.add(BLOCK * i), sa = in(reg) cols,
-                                w = in(reg) weights.add(512 * i),
-                                c = in(reg) c.add(i), s64 = in(reg) 64usize,
-                                options(nostack),
-                            );
-                        }
-                    }
-                }
-                for (i, sums) in sums.0.iter().take(depth).enumerate() {
-                    let b = first + i;
-                    let scales = q.strip_scales(s, b);
-                    // SAFETY: 32 scales, 16 sums a vector; AVX-512F is enabled here.
-                    unsafe {
-                        let d = _mm512_loadu_ps(scales.as_ptr());
-                        let m = _mm512_loadu_ps(scales.as_ptr().add(STRIP));
-                        for ((acc, x), sums) in acc.iter_mut().zip(xs).zip(sums) {
-                            let mut isum = _mm512_load_si512(sums.as_ptr().cast());
-                            if !q4 {
-                                // The weights were stored plus 128.
-                                isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * x.sum[b]));
-                            }
-                            let dd = _mm512_mul_ps(d, _mm512_set1_ps(x.d[b]));
-                            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, *acc);
-                            if q4 {
-                                *acc = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[b]), *acc);
-                            }
-                        }
-                    }
+                    let (first, depth) = group(g);
+                    self.fold(q, s, first, depth, &sums[g % 2], &mut acc);
                 }
             }
             // SAFETY: releasing the tiles is always allowed; it spares every later context
@@ -661,6 +599,138 @@ mod amx {
                 unsafe { _mm512_storeu_ps(o.as_mut_ptr(), acc) };
             }
             out
+        }
+
+        /// Multiplies blocks `first..first + depth` (at most [`DEPTH`]) of strip `s` into
+        /// `sums`.
+        ///
+        /// # Safety
+        ///
+        /// The tile configuration is loaded; AVX-512F is the caller's; the blocks exist.
+        #[inline(always)]
+        unsafe fn issue(
+            &self,
+            q: &QuantMatrix,
+            s: usize,
+            first: usize,
+            depth: usize,
+            wide: &mut Weights,
+            sums: &mut Sums,
+        ) {
+            let (q4, cols, a) = (q.kind() == QuantKind::Q4_1, q.cols(), &self.a);
+            // Tile B of each block: the strip's blocks are consecutive, 512 bytes each
+            // for Q8_0; Q4_1's nibbles are widened into `wide` first.
+            let weights = if q4 {
+                for (i, wide) in wide.0.iter_mut().take(depth).enumerate() {
+                    let data = q.strip_block(s, first + i);
+                    // SAFETY: 4 chunks of 64 bytes in, 8 out; AVX-512F is enabled here.
+                    unsafe {
+                        let low = _mm512_set1_epi8(0x0F);
+                        for j in 0..4 {
+                            let c = _mm512_loadu_si512(data.as_ptr().add(64 * j).cast());
+                            let (lo, hi) = (
+                                _mm512_and_si512(c, low),
+                                _mm512_and_si512(_mm512_srli_epi32::<4>(c), low),
+                            );
+                            _mm512_store_si512(wide.as_mut_ptr().add(64 * j).cast(), lo);
+                            _mm512_store_si512(wide.as_mut_ptr().add(64 * (j + 4)).cast(), hi);
+                        }
+                    }
+                }
+                wide.0.as_ptr().cast::<u8>()
+            } else {
+                q.strip_block(s, first).as_ptr()
+            };
+            // SAFETY: block `first + i`'s tile A reads `n` rows of 32 bytes at `cols`
+            // from column `32 (first + i)` of `a` (`n` rows of `cols`), its tile B the
+            // 512 bytes at `weights + 512 i` (`wide`, or the strip's blocks, whole ones:
+            // `depth` is what is left), its sums are stored into `sums.0[i]` (`n` rows
+            // of 64 bytes). The shapes are the configuration loaded above.
+            unsafe {
+                let (a, c) = (a.as_ptr().add(BLOCK * first), sums.0.as_mut_ptr());
+                if depth == DEPTH {
+                    asm!(
+                        "tilezero tmm0",
+                        "tilezero tmm1",
+                        "tilezero tmm2",
+                        "tilezero tmm3",
+                        "tileloadd tmm4, [{a} + {sa} * 1]",
+                        "tileloadd tmm6, [{w} + {s64} * 1]",
+                        "tdpbsud tmm0, tmm4, tmm6",
+                        "tileloadd tmm5, [{a} + {sa} * 1 + 32]",
+                        "tileloadd tmm7, [{w} + {s64} * 1 + 512]",
+                        "tdpbsud tmm1, tmm5, tmm7",
+                        "tileloadd tmm4, [{a} + {sa} * 1 + 64]",
+                        "tileloadd tmm6, [{w} + {s64} * 1 + 1024]",
+                        "tdpbsud tmm2, tmm4, tmm6",
+                        "tileloadd tmm5, [{a} + {sa} * 1 + 96]",
+                        "tileloadd tmm7, [{w} + {s64} * 1 + 1536]",
+                        "tdpbsud tmm3, tmm5, tmm7",
+                        "tilestored [{c} + {s64} * 1], tmm0",
+                        "tilestored [{c} + {s64} * 1 + 1024], tmm1",
+                        "tilestored [{c} + {s64} * 1 + 2048], tmm2",
+                        "tilestored [{c} + {s64} * 1 + 3072], tmm3",
+                        a = in(reg) a, sa = in(reg) cols, w = in(reg) weights,
+                        c = in(reg) c, s64 = in(reg) 64usize,
+                        options(nostack),
+                    );
+                } else {
+                    for i in 0..depth {
+                        asm!(
+                            "tilezero tmm0",
+                            "tileloadd tmm4, [{a} + {sa} * 1]",
+                            "tileloadd tmm6, [{w} + {s64} * 1]",
+                            "tdpbsud tmm0, tmm4, tmm6",
+                            "tilestored [{c} + {s64} * 1], tmm0",
+                            a = in(reg) a.add(BLOCK * i), sa = in(reg) cols,
+                            w = in(reg) weights.add(512 * i),
+                            c = in(reg) c.add(i), s64 = in(reg) 64usize,
+                            options(nostack),
+                        );
+                    }
+                }
+            }
+        }
+
+        /// Scales the sums of blocks `first..first + depth` of strip `s` into `acc`.
+        ///
+        /// # Safety
+        ///
+        /// AVX-512F is the caller's; the blocks exist.
+        #[inline(always)]
+        unsafe fn fold(
+            &self,
+            q: &QuantMatrix,
+            s: usize,
+            first: usize,
+            depth: usize,
+            sums: &Sums,
+            acc: &mut [__m512; VECTORS],
+        ) {
+            let q4 = q.kind() == QuantKind::Q4_1;
+            for (i, sums) in sums.0.iter().take(depth).enumerate() {
+                let b = first + i;
+                let scales = q.strip_scales(s, b);
+                let (dx, sx, sum) = (&self.d[b], &self.s[b], &self.sum[b]);
+                // SAFETY: 32 scales, 16 sums a vector; AVX-512F is enabled here. Past the
+                // group's last vector the sums, `d` and `s` are zero: those lanes stay 0.
+                unsafe {
+                    let d = _mm512_loadu_ps(scales.as_ptr());
+                    let m = _mm512_loadu_ps(scales.as_ptr().add(STRIP));
+                    for v in 0..VECTORS {
+                        let mut isum = _mm512_load_si512(sums[v].as_ptr().cast());
+                        if !q4 {
+                            // The weights were stored plus 128.
+                            isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * sum[v]));
+                        }
+                        let dd = _mm512_mul_ps(d, _mm512_set1_ps(dx[v]));
+                        acc[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, acc[v]);
+                        if q4 {
+                            acc[v] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[v]), acc[v]);
+                        }
+                    }
+                }
+            }
         }
     }
 }

@@ -868,6 +868,16 @@ pub(crate) fn softmax(x: &mut [f32]) {
 /// The index of the largest value, the lowest index on ties; NaNs are skipped. `None` when
 /// every value is NaN (or there are none).
 pub(crate) fn argmax(x: &[f32]) -> Option<usize> {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        return unsafe { argmax_avx2(x) };
+    }
+    argmax_body(x)
+}
+
+/// [`argmax`], one value at a time.
+fn argmax_body(x: &[f32]) -> Option<usize> {
     let mut best: Option<(usize, f32)> = None;
     for (i, &v) in x.iter().enumerate() {
         if v.is_nan() {
@@ -878,6 +888,53 @@ pub(crate) fn argmax(x: &[f32]) -> Option<usize> {
         }
     }
     best.map(|(i, _)| i)
+}
+
+/// [`argmax`] in two passes of eight values: the largest value that is not NaN (max is
+/// exact in any order), then the first index holding a value equal to it, which is the
+/// first of the largest (a zero of either sign equals the other, as `>` finds it).
+///
+/// # Safety
+///
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn argmax_avx2(x: &[f32]) -> Option<usize> {
+    use std::arch::x86_64::*;
+    let whole = x.len() / 8 * 8;
+    let p = x.as_ptr();
+    // SAFETY: every load reads values `i..i + 8` below `whole`; AVX2 is the caller's
+    // promise.
+    let max = unsafe {
+        let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+        for i in (0..whole).step_by(8) {
+            let v = _mm256_loadu_ps(p.add(i));
+            // NaN lanes count as -inf.
+            let ordered = _mm256_cmp_ps::<_CMP_ORD_Q>(v, v);
+            m = _mm256_max_ps(
+                m,
+                _mm256_blendv_ps(_mm256_set1_ps(f32::NEG_INFINITY), v, ordered),
+            );
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), m);
+        lanes
+            .into_iter()
+            .chain(x[whole..].iter().copied().filter(|v| !v.is_nan()))
+            .fold(f32::NEG_INFINITY, f32::max)
+    };
+    // SAFETY: as above.
+    unsafe {
+        let want = _mm256_set1_ps(max);
+        for i in (0..whole).step_by(8) {
+            let hits =
+                _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(_mm256_loadu_ps(p.add(i)), want));
+            if hits != 0 {
+                return Some(i + hits.trailing_zeros() as usize);
+            }
+        }
+    }
+    x[whole..].iter().position(|&v| v == max).map(|i| whole + i)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1229,11 +1286,33 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::cast_possible_truncation)] // small draws, to pick a case
     fn argmax_takes_the_lowest_index_on_ties_and_skips_nan() {
         assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), Some(1));
         assert_eq!(argmax(&[f32::NAN, 1.0, f32::NAN]), Some(1));
         assert_eq!(argmax(&[f32::NAN]), None);
         assert_eq!(argmax(&[]), None);
+        // Every length around the vector width, with ties, zeros of both signs, infinities
+        // and NaNs: the same index as one value at a time.
+        let mut seed = 3;
+        for n in 0..40 {
+            for _ in 0..20 {
+                let x: Vec<f32> = (0..n)
+                    .map(|_| match (lcg(&mut seed) * 8.0) as i32 {
+                        -8..=-6 => f32::NAN,
+                        -5 => -0.0,
+                        -4 => 0.0,
+                        -3 => f32::NEG_INFINITY,
+                        -2 => 1.0,
+                        _ => (lcg(&mut seed) * 4.0).round(),
+                    })
+                    .collect();
+                assert_eq!(argmax(&x), argmax_body(&x), "{x:?}");
+            }
+        }
+        assert_eq!(argmax(&[-0.0, 0.0]), Some(0));
+        assert_eq!(argmax(&[f32::NAN; 9]), None);
+        assert_eq!(argmax(&[f32::NEG_INFINITY; 9]), Some(0));
     }
 
     #[test]
