@@ -8,6 +8,7 @@
 # the top-two logit margin of each side there; then a summary line.
 #
 #   scripts/crosscheck-llamacpp.sh            # venv in target/llamacpp-venv ($LLAMACPP_VENV)
+#   KVFENCE_CROSSCHECK_DECODE=f32 scripts/crosscheck-llamacpp.sh   # kvfence's f32 decode
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -2,11 +2,12 @@
 # Cross-checks kvfence's Llama runner against vLLM's CPU build on the same model: the
 # prompts of llama/tests/fixtures/crosscheck_prompts.json, the same token ids fed to both,
 # greedy decoding of up to 32 tokens. vLLM runs the folder scripts/vllm-env converts from
-# the same GGUF (weights dequantized to float32, as kvfence dequantizes them). Prints, per
+# the same GGUF (weights dequantized to float32, as kvfence's f32 decode runs). Prints, per
 # prompt, whether the outputs are identical and, at the first divergence, both tokens and
 # kvfence's top-two logit margin there; then a summary line.
 #
 #   scripts/crosscheck-vllm.sh        # installs vLLM first if needed (scripts/vllm-env)
+#   KVFENCE_CROSSCHECK_DECODE=f32 scripts/crosscheck-vllm.sh   # kvfence's f32 decode
 set -euo pipefail
 cd "$(dirname "$0")/.."
 { read -r py; read -r model_dir; } < <(scripts/vllm-env)

@@ -1,8 +1,9 @@
 //! The kvfence side of `scripts/crosscheck-llamacpp.sh`: greedy outputs of the prompts in
 //! `fixtures/crosscheck_prompts.json` through the monolithic path of the runner (the code
 //! decode runs, on f16 pages like llama.cpp's default KV cache), with each step's top-two
-//! logit margin, as JSON lines into the file `$KVFENCE_CROSSCHECK_OUT`. Ignored by default:
-//! the script runs it.
+//! logit margin, as JSON lines into the file `$KVFENCE_CROSSCHECK_OUT`; with
+//! `KVFENCE_CROSSCHECK_DECODE=f32`, decode's f32 computation instead of its quantized
+//! vectors. Ignored by default: the script runs it.
 
 use libkv::model::{MemoryKv, ModelRunner};
 use llama::chat::Message;
@@ -20,7 +21,11 @@ fn emit_kvfence_tokens() {
     let gguf = llama::gguf::Gguf::open(&path).unwrap();
     let tok = llama::tokenizer::Tokenizer::from_gguf(&gguf).unwrap();
     let weights = llama::weights::LlamaWeights::from_gguf(&gguf).unwrap();
-    let runner = LlamaRunner::new(weights, g, 2, llama::chat::stop_tokens(&tok)).unwrap();
+    // `KVFENCE_CROSSCHECK_DECODE=f32`: the f32 computation instead of the quantized vectors.
+    let f32_decode = std::env::var("KVFENCE_CROSSCHECK_DECODE").is_ok_and(|v| v == "f32");
+    let runner = LlamaRunner::new(weights, g, 2, llama::chat::stop_tokens(&tok))
+        .unwrap()
+        .with_quantized_decode(!f32_decode);
     let prompts: Vec<serde_json::Value> =
         serde_json::from_str(include_str!("fixtures/crosscheck_prompts.json")).unwrap();
     let mut out = std::fs::File::create(out_path).unwrap();
