@@ -20,6 +20,7 @@
 //!   vector; a strip's block is dequantized into registers once for up to four vectors.
 //! - AMX, from 12 vectors: one `TDPBSUD` multiplies a block of up to 16 vectors by the
 //!   strip's block. It needs the kernel's permission (Linux `arch_prctl`), asked once.
+//! - AVX2 (no VNNI): the same, eight rows a register, one vector at a time.
 //! - Plain code elsewhere, row by row: the reference the others are tested against.
 //!
 //! Measured on a 2-core AVX-512 machine (`kernel_speed` in `quant.rs`), a 1536 x 576 Q4_1
@@ -218,6 +219,9 @@ pub(crate) enum Kernel {
     Amx,
     /// AVX-512 VNNI: a strip against up to [`GROUP`] vectors at a time.
     Vnni,
+    /// AVX2: as VNNI, eight rows a register, each `VPDPBUSD` done as `VPMADDUBSW` and
+    /// `VPMADDWD`.
+    Avx2,
     /// [`dot_portable`], row by row.
     Portable,
 }
@@ -235,6 +239,12 @@ impl Kernel {
                     Kernel::Vnni
                 };
             }
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return Kernel::Avx2;
+            }
             Kernel::Portable
         })
     }
@@ -242,11 +252,13 @@ impl Kernel {
     /// Every kernel this CPU runs (for tests).
     #[cfg(test)]
     pub(crate) fn all() -> Vec<Kernel> {
-        [Kernel::Amx, Kernel::Vnni, Kernel::Portable]
+        let best = Kernel::best();
+        [Kernel::Amx, Kernel::Vnni, Kernel::Avx2, Kernel::Portable]
             .into_iter()
             .filter(|k| match k {
-                Kernel::Amx => Kernel::best() == Kernel::Amx,
-                Kernel::Vnni => Kernel::best() != Kernel::Portable,
+                Kernel::Amx => best == Kernel::Amx,
+                Kernel::Vnni => matches!(best, Kernel::Amx | Kernel::Vnni),
+                Kernel::Avx2 => best != Kernel::Portable,
                 Kernel::Portable => true,
             })
             .collect()
@@ -333,6 +345,14 @@ pub(crate) fn matvec_with(
                     for (v, strip) in sums.iter().take(group.len()).enumerate() {
                         put(g * amx::VECTORS + v, strip);
                     }
+                }
+                continue;
+            }
+            if kernel == Kernel::Avx2 {
+                for (v, x) in xs.iter().enumerate() {
+                    // SAFETY: the kernel runs only where the CPU has AVX2 and FMA
+                    // (`Kernel::best`); the vector is a row long (asserted).
+                    put(v, &unsafe { strip_avx2(q, s, x) });
                 }
                 continue;
             }
@@ -428,6 +448,71 @@ unsafe fn strip_vnni<const V: usize>(
         for (o, acc) in out.iter_mut().zip(acc) {
             _mm512_storeu_ps(o.as_mut_ptr(), acc);
         }
+        out
+    }
+}
+
+/// [`strip_vnni`] of one vector on AVX2: each 64-byte chunk of the strip is two registers
+/// of eight rows, and a four-byte dot product is `VPMADDUBSW` (pairs, in 16 bits: no pair
+/// of a Q4_1 nibble or of |w| <= 128 by a byte within ±127 overflows) then `VPMADDWD`.
+/// Q8_0's weights are signed back and multiplied as |w| by x with w's sign. The scaling
+/// is lane for lane the VNNI kernel's.
+///
+/// # Safety
+///
+/// The CPU has AVX2 and FMA; the vector is a row long.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn strip_avx2(q: &QuantMatrix, s: usize, x: &Q8Vec) -> [f32; STRIP] {
+    use std::arch::x86_64::*;
+    let q4 = q.kind() == QuantKind::Q4_1;
+    // SAFETY: as in `strip_vnni`: every load is inside the strip's block, its scales or
+    // the vector's block; the features are the caller's promise.
+    unsafe {
+        let low = _mm256_set1_epi8(0x0F);
+        let flip = _mm256_set1_epi8(-128);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); 2];
+        for b in 0..q.blocks() {
+            let data = q.strip_block(s, b).as_ptr();
+            let scales = q.strip_scales(s, b).as_ptr();
+            _mm_prefetch::<_MM_HINT_T0>(data.wrapping_add(AHEAD).cast());
+            _mm_prefetch::<_MM_HINT_T0>(data.wrapping_add(AHEAD + 64).cast());
+            _mm_prefetch::<_MM_HINT_T0>(scales.wrapping_add(AHEAD / 8).cast());
+            let xb = x.q.as_ptr().add(BLOCK * b).cast::<i32>();
+            for (half, acc) in acc.iter_mut().enumerate() {
+                let mut isum = _mm256_setzero_si256();
+                for g in 0..8 {
+                    // Rows `8 half..` of weights `4 g..4 g + 4` (Q4_1: chunk g % 4, low
+                    // nibbles for g < 4, high ones after).
+                    let chunk = if q4 { g % 4 } else { g };
+                    let c = _mm256_loadu_si256(data.add(64 * chunk + 32 * half).cast());
+                    let xv = _mm256_set1_epi32(xb.add(g).read_unaligned());
+                    let pairs = if q4 {
+                        let w = if g < 4 {
+                            _mm256_and_si256(c, low)
+                        } else {
+                            _mm256_and_si256(_mm256_srli_epi32::<4>(c), low)
+                        };
+                        _mm256_maddubs_epi16(w, xv)
+                    } else {
+                        let w = _mm256_xor_si256(c, flip);
+                        _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w))
+                    };
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, ones));
+                }
+                let d = _mm256_loadu_ps(scales.add(8 * half));
+                let m = _mm256_loadu_ps(scales.add(STRIP + 8 * half));
+                let dd = _mm256_mul_ps(d, _mm256_set1_ps(x.d[b]));
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), dd, *acc);
+                if q4 {
+                    *acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[b]), *acc);
+                }
+            }
+        }
+        let mut out = [0f32; STRIP];
+        _mm256_storeu_ps(out.as_mut_ptr(), acc[0]);
+        _mm256_storeu_ps(out.as_mut_ptr().add(8), acc[1]);
         out
     }
 }

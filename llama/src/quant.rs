@@ -1016,6 +1016,24 @@ mod speed {
                     "{rows}x{cols} x {n:>2}: {us:>8.1} us  {gflop:>6.1} GFLOP/s  {per:>5.2} us/vector"
                 );
             }
+            // Each integer kernel this CPU runs, one vector and sixteen.
+            for kernel in int8::Kernel::all() {
+                for n in [1, 16] {
+                    let q8: Vec<Q8Vec> = xs[..n].iter().map(|x| Q8Vec::new(x)).collect();
+                    let mut out = vec![0f32; n * rows];
+                    let reps = if kernel == int8::Kernel::Portable {
+                        5
+                    } else {
+                        200
+                    };
+                    let t = std::time::Instant::now();
+                    for _ in 0..reps {
+                        int8::matvec_with(kernel, &q, &q8, 0..rows, &mut out, rows);
+                    }
+                    let us = t.elapsed().as_secs_f64() * 1e6 / f64::from(reps);
+                    eprintln!("{rows}x{cols} x {n:>2}, {kernel:?}: {us:>8.1} us");
+                }
+            }
         }
     }
 }
