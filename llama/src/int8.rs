@@ -357,19 +357,24 @@ pub(crate) fn matvec_with(
                 continue;
             }
             for (g, group) in xs.chunks(GROUP).enumerate() {
-                // SAFETY: the kernel runs only where the CPU has AVX-512F and VNNI
-                // (`Kernel::best`); the vectors are a row long (asserted).
-                let sums = unsafe {
-                    match group {
-                        [a] => strip_vnni(q, s, [a]).to_vec(),
-                        [a, b] => strip_vnni(q, s, [a, b]).to_vec(),
-                        [a, b, c] => strip_vnni(q, s, [a, b, c]).to_vec(),
-                        [a, b, c, d] => strip_vnni(q, s, [a, b, c, d]).to_vec(),
-                        _ => unreachable!("groups of one to {GROUP}"),
-                    }
-                };
-                for (v, strip) in sums.iter().enumerate() {
-                    put(g * GROUP + v, strip);
+                // One group of 1 to 4 vectors, its results straight into `out`.
+                macro_rules! run {
+                    ($($x:ident),+) => {{
+                        let [$($x),+] = group else { unreachable!() };
+                        // SAFETY: the kernel runs only where the CPU has AVX-512F and VNNI
+                        // (`Kernel::best`); the vectors are a row long (asserted).
+                        let sums = unsafe { strip_vnni(q, s, [$($x),+]) };
+                        for (v, strip) in sums.iter().enumerate() {
+                            put(g * GROUP + v, strip);
+                        }
+                    }};
+                }
+                match group.len() {
+                    1 => run!(a),
+                    2 => run!(a, b),
+                    3 => run!(a, b, c),
+                    4 => run!(a, b, c, d),
+                    _ => unreachable!("groups of one to {GROUP}"),
                 }
             }
         }
@@ -823,6 +828,7 @@ mod amx {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::tests::blocks;
 
     fn lcg(seed: &mut u64) -> u64 {
         *seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
@@ -878,25 +884,6 @@ mod tests {
                 assert!((f32::from(*q) * v.d[b] - x).abs() <= v.d[b] * 0.5 + 1e-7);
             }
         }
-    }
-
-    fn blocks(kind: QuantKind, rows: usize, cols: usize, seed: &mut u64) -> Vec<u8> {
-        let mut bytes = Vec::new();
-        for _ in 0..rows * cols / BLOCK {
-            let start = bytes.len();
-            let scale = |seed: &mut u64| {
-                let v = (lcg(seed) % 2000) as f32 / 1000.0 - 1.0;
-                half::f16::from_f32(v * 0.05).to_le_bytes()
-            };
-            bytes.extend_from_slice(&scale(seed));
-            if kind == QuantKind::Q4_1 {
-                bytes.extend_from_slice(&scale(seed));
-            }
-            while bytes.len() - start < kind.block_bytes() {
-                bytes.push(lcg(seed).to_le_bytes()[0]);
-            }
-        }
-        bytes
     }
 
     /// Every kernel this CPU runs gives every (row, vector) the reference's bits, for any

@@ -802,7 +802,7 @@ mod simd {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn lcg(seed: &mut u64) -> u64 {
@@ -811,7 +811,7 @@ mod tests {
     }
 
     /// Random blocks with finite scales (`d` and `m` of a small exponent).
-    fn blocks(kind: QuantKind, rows: usize, cols: usize, seed: &mut u64) -> Vec<u8> {
+    pub(crate) fn blocks(kind: QuantKind, rows: usize, cols: usize, seed: &mut u64) -> Vec<u8> {
         let mut bytes = Vec::new();
         for _ in 0..rows * cols / BLOCK {
             let scale = |seed: &mut u64| {
