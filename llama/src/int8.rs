@@ -321,33 +321,41 @@ pub(crate) fn matvec_with(
     }
     #[cfg(target_arch = "x86_64")]
     {
-        let tiles = (kernel == Kernel::Amx && xs.len() >= AMX_FROM).then(|| {
-            xs.chunks(amx::VECTORS)
-                .map(amx::Group::new)
-                .collect::<Vec<_>>()
-        });
-        // The strips the rows touch; each is computed whole and its rows in `rows` kept.
-        for s in rows.start / STRIP..rows.end.div_ceil(STRIP) {
-            let mut put = |v: usize, strip: &[f32; STRIP]| {
-                for (k, value) in strip.iter().enumerate() {
-                    let r = s * STRIP + k;
-                    if rows.contains(&r) {
-                        out[v * stride + r - rows.start] = *value;
+        let strips = rows.start / STRIP..rows.end.div_ceil(STRIP);
+        // Strip `s`'s products with vector `v`, the rows of it in `rows`, into `out`.
+        let put = |out: &mut [f32], v: usize, s: usize, strip: &[f32; STRIP]| {
+            let (first, end) = (s * STRIP, (s + 1) * STRIP);
+            let (lo, hi) = (first.max(rows.start), end.min(rows.end));
+            let at = v * stride + lo - rows.start;
+            out[at..at + hi - lo].copy_from_slice(&strip[lo - first..hi - first]);
+        };
+        if kernel == Kernel::Amx && xs.len() >= AMX_FROM {
+            let groups: Vec<amx::Group> = xs.chunks(amx::VECTORS).map(amx::Group::new).collect();
+            // SAFETY: `Kernel::Amx` is only `best` where the CPU has AMX-INT8, AVX-512F and
+            // VNNI and the process may use the tiles.
+            let _tiles = unsafe { amx::Tiles::configure() };
+            // A few strips at a time for every group, so that the later groups read them
+            // from cache.
+            let chunk = if groups.len() == 1 { strips.len() } else { 8 };
+            for start in strips.clone().step_by(chunk) {
+                let part = start..(start + chunk).min(strips.end);
+                for (g, group) in groups.iter().enumerate() {
+                    // SAFETY: the tiles are configured; the vectors are a row long
+                    // (asserted); the strips are the matrix's.
+                    unsafe {
+                        group.strips(q, part.clone(), |s, sums| {
+                            for (v, strip) in sums.iter().take(group.len()).enumerate() {
+                                put(out, g * amx::VECTORS + v, s, strip);
+                            }
+                        });
                     }
                 }
-            };
-            if let Some(tiles) = &tiles {
-                for (g, group) in tiles.iter().enumerate() {
-                    // SAFETY: `Kernel::Amx` is only `best` where the CPU has AMX-INT8,
-                    // AVX-512F and VNNI and the process may use the tiles; the vectors are a
-                    // row long (asserted).
-                    let sums = unsafe { group.strip(q, s) };
-                    for (v, strip) in sums.iter().take(group.len()).enumerate() {
-                        put(g * amx::VECTORS + v, strip);
-                    }
-                }
-                continue;
             }
+            return;
+        }
+        // The strips the rows touch; each is computed whole and its rows in `rows` kept.
+        for s in strips {
+            let mut put = |v: usize, strip: &[f32; STRIP]| put(out, v, s, strip);
             if kernel == Kernel::Avx2 {
                 for (v, x) in xs.iter().enumerate() {
                     // SAFETY: the kernel runs only where the CPU has AVX2 and FMA
@@ -530,12 +538,20 @@ mod amx {
     //! integer sums, a row of 16 (one a weight row) for each vector, then scaled as the
     //! VNNI kernel scales its own.
     //!
+    //! The matrix is read as one stream of units, a unit a strip's block (the order
+    //! [`QuantMatrix`] keeps them in), [`DEPTH`] units a stage. Three stages run at once, a
+    //! stage apart: the nibbles of stage `i + 2` are widened while the tiles of stage
+    //! `i + 1` are multiplied and stored and the sums of stage `i` are scaled. So no tile
+    //! load waits for the stores that widened its weights, and no scaling for the store of
+    //! its tile.
+    //!
     //! The tile instructions are written as inline assembly (the compiler's AMX
     //! intrinsics are not stable); the compiler never uses tile registers itself, so they
     //! hold their values from one `asm!` to the next.
 
     use std::arch::asm;
     use std::arch::x86_64::*;
+    use std::ops::Range;
 
     use super::{BLOCK, OnceLock, Q8Vec, QuantKind, QuantMatrix, STRIP};
 
@@ -572,19 +588,21 @@ mod amx {
         false
     }
 
-    /// The tile shapes for `n` vectors: tmm0 to tmm3 the sums of four blocks (`n` rows of
-    /// 16 i32), tmm4 and tmm5 the vectors (`n` rows of 32 bytes), tmm6 and tmm7 the
-    /// weights (8 rows of 16 rows by 4 bytes).
+    /// The tile shapes: tmm0 to tmm3 the sums of four units (16 rows of 16 i32), tmm4 and
+    /// tmm5 the vectors (16 rows of 32 bytes), tmm6 and tmm7 the weights (8 rows of 16
+    /// rows by 4 bytes). A group of fewer vectors has zero rows past its last.
     #[repr(C, align(64))]
     struct Config([u8; 64]);
 
     impl Config {
-        fn new(n: u8) -> Config {
+        fn new() -> Config {
             let mut c = [0u8; 64];
             c[0] = 1; // palette 1
-            let shapes = [(64u16, n); 4]
+            #[allow(clippy::cast_possible_truncation)] // 16
+            let rows = VECTORS as u8;
+            let shapes = [(64u16, rows); 4]
                 .into_iter()
-                .chain([(32, n); 2])
+                .chain([(32, rows); 2])
                 .chain([(64, 8); 2]);
             for (t, (colsb, rows)) in shapes.enumerate() {
                 c[16 + 2 * t..18 + 2 * t].copy_from_slice(&colsb.to_le_bytes());
@@ -594,185 +612,302 @@ mod amx {
         }
     }
 
-    /// Blocks the kernel multiplies at once, each into its own tile of sums.
+    /// The tiles configured for [`Group::strips`], released when dropped.
+    pub(super) struct Tiles(());
+
+    impl Tiles {
+        /// # Safety
+        ///
+        /// [`available`] said yes.
+        pub(super) unsafe fn configure() -> Tiles {
+            let config = Config::new();
+            // SAFETY: loading a tile configuration is allowed once the process has the
+            // permission (`available`, the caller's promise).
+            unsafe { asm!("ldtilecfg [{}]", in(reg) config.0.as_ptr(), options(nostack)) };
+            Tiles(())
+        }
+    }
+
+    impl Drop for Tiles {
+        fn drop(&mut self) {
+            // SAFETY: releasing the tiles is always allowed; it spares every later context
+            // switch of this thread saving them.
+            unsafe { asm!("tilerelease", options(nostack)) };
+        }
+    }
+
+    /// Units a stage multiplies at once, each into its own tile of sums.
     const DEPTH: usize = 4;
 
-    /// Tiles of sums, [`DEPTH`] blocks of a row of 16 i32 for each vector.
+    /// Units the prefetches run ahead of the stage being widened.
+    const AHEAD: usize = 8;
+
+    /// Tiles of sums, [`DEPTH`] units of a row of 16 i32 for each vector.
     #[repr(C, align(64))]
     struct Sums([[[i32; STRIP]; VECTORS]; DEPTH]);
 
-    /// [`DEPTH`] blocks' weights of a strip, as tile B takes them.
+    /// [`DEPTH`] units' weights, as tile B takes them.
     #[repr(C, align(64))]
     struct Weights([[u8; 512]; DEPTH]);
 
-    /// Up to [`VECTORS`] vectors as tile A takes them, a row each.
-    /// Each block's `d`, `s` and sum of every vector of a group (zero past the last), so
-    /// that the scaling runs over all 16 lanes with no branch on the group's size.
-    pub(super) struct Group<'a> {
-        xs: &'a [Q8Vec],
+    /// Up to [`DEPTH`] consecutive units from unit `first`, strip `strip`'s block `block`.
+    #[derive(Clone, Copy)]
+    struct Stage {
+        first: usize,
+        len: usize,
+        strip: usize,
+        block: usize,
+        /// Blocks of a strip.
+        blocks: usize,
+    }
+
+    impl Stage {
+        /// Each unit's strip and block.
+        fn units(self) -> impl Iterator<Item = (usize, usize)> {
+            let (mut s, mut b) = (self.strip, self.block);
+            (0..self.len).map(move |_| {
+                let unit = (s, b);
+                b += 1;
+                if b == self.blocks {
+                    (s, b) = (s + 1, 0);
+                }
+                unit
+            })
+        }
+    }
+
+    /// Up to [`VECTORS`] vectors as tile A takes them (a row each, zero rows past the
+    /// last), and each block's `d`, `s` and the Q8_0 correction `128 sum` of every vector
+    /// (zero past the last), so that the scaling runs over all 16 lanes with no branch on
+    /// the group's size.
+    pub(super) struct Group {
+        len: usize,
         a: Vec<i8>,
         d: Vec<[f32; VECTORS]>,
         s: Vec<[f32; VECTORS]>,
-        sum: Vec<[i32; VECTORS]>,
-        config: Config,
+        plus: Vec<[i32; VECTORS]>,
     }
 
-    impl<'a> Group<'a> {
-        pub(super) fn new(xs: &'a [Q8Vec]) -> Group<'a> {
+    impl Group {
+        pub(super) fn new(xs: &[Q8Vec]) -> Group {
+            debug_assert!((1..=VECTORS).contains(&xs.len()));
             let cols = xs[0].q.len();
             let blocks = cols / BLOCK;
             let mut g = Group {
-                xs,
-                a: vec![0i8; xs.len() * cols],
+                len: xs.len(),
+                a: vec![0i8; VECTORS * cols],
                 d: vec![[0.0; VECTORS]; blocks],
                 s: vec![[0.0; VECTORS]; blocks],
-                sum: vec![[0; VECTORS]; blocks],
-                #[allow(clippy::cast_possible_truncation)]
-                config: Config::new(xs.len() as u8),
+                plus: vec![[0; VECTORS]; blocks],
             };
             for (v, (row, x)) in g.a.chunks_exact_mut(cols).zip(xs).enumerate() {
                 row.copy_from_slice(&x.q);
                 for b in 0..blocks {
-                    (g.d[b][v], g.s[b][v], g.sum[b][v]) = (x.d[b], x.s[b], x.sum[b]);
+                    (g.d[b][v], g.s[b][v], g.plus[b][v]) = (x.d[b], x.s[b], 128 * x.sum[b]);
                 }
             }
             g
         }
 
         pub(super) fn len(&self) -> usize {
-            self.xs.len()
+            self.len
         }
 
-        /// Strip `s` of `q` times each vector, as [`super::strip_vnni`] computes it.
-        ///
-        /// The blocks go [`DEPTH`] at a time, in two stages a group apart: the tiles of
-        /// group `i + 1` are multiplied and stored while the sums of group `i`, stored one
-        /// group earlier, are scaled, so that no scaling waits for the store of its tiles.
+        /// Strips `strips` of `q` times each vector, as [`super::strip_vnni`] computes
+        /// them: `put(s, sums)` for each strip `s` in order, `sums[v]` its 16 rows' products
+        /// with vector `v`.
         ///
         /// # Safety
         ///
-        /// [`available`] said yes; every vector is a row of `q` long.
+        /// The tiles are configured ([`Tiles::configure`]); every vector is a row of `q`
+        /// long; the strips exist.
         #[target_feature(enable = "avx512f")]
-        pub(super) unsafe fn strip(&self, q: &QuantMatrix, s: usize) -> [[f32; STRIP]; VECTORS] {
-            debug_assert!((1..=VECTORS).contains(&self.xs.len()));
+        pub(super) unsafe fn strips(
+            &self,
+            q: &QuantMatrix,
+            strips: Range<usize>,
+            put: impl FnMut(usize, &[[f32; STRIP]; VECTORS]),
+        ) {
+            // SAFETY: the caller's promises.
+            unsafe {
+                match q.kind() {
+                    QuantKind::Q4_1 => self.strips_of::<true>(q, strips, put),
+                    QuantKind::Q8_0 => self.strips_of::<false>(q, strips, put),
+                }
+            }
+        }
+
+        /// [`Self::strips`] of a Q4_1 (`Q4`) or Q8_0 matrix.
+        ///
+        /// # Safety
+        ///
+        /// As [`Self::strips`].
+        #[target_feature(enable = "avx512f")]
+        unsafe fn strips_of<const Q4: bool>(
+            &self,
+            q: &QuantMatrix,
+            strips: Range<usize>,
+            mut put: impl FnMut(usize, &[[f32; STRIP]; VECTORS]),
+        ) {
+            let blocks = q.blocks();
+            let units = strips.start * blocks..strips.end * blocks;
+            let stages = units.len().div_ceil(DEPTH);
+            let stage = |i: usize| {
+                let first = units.start + i * DEPTH;
+                Stage {
+                    first,
+                    len: DEPTH.min(units.end - first),
+                    strip: first / blocks,
+                    block: first % blocks,
+                    blocks,
+                }
+            };
             let mut sums = [
                 Sums([[[0; STRIP]; VECTORS]; DEPTH]),
                 Sums([[[0; STRIP]; VECTORS]; DEPTH]),
             ];
-            let mut wide = Weights([[0; 512]; DEPTH]);
+            let mut wide = [Weights([[0; 512]; DEPTH]), Weights([[0; 512]; DEPTH])];
             let mut acc = [_mm512_setzero_ps(); VECTORS];
-            // SAFETY: loading a tile configuration is allowed once the process has the
-            // permission (`available`, the caller's promise).
-            unsafe { asm!("ldtilecfg [{}]", in(reg) self.config.0.as_ptr(), options(nostack)) };
-            let blocks = q.blocks();
-            let groups = blocks.div_ceil(DEPTH);
-            let group = |g: usize| (g * DEPTH, DEPTH.min(blocks - g * DEPTH));
-            // SAFETY: the caller's promise; the groups are inside the strip's blocks.
+            // SAFETY: the caller's promises; every stage is inside the strips' units, and
+            // the buffers a stage reads were written a stage before (see the module docs).
             unsafe {
-                let (first, depth) = group(0);
-                self.issue(q, s, first, depth, &mut wide, &mut sums[0]);
-                for g in 0..groups {
-                    if g + 1 < groups {
-                        let (first, depth) = group(g + 1);
-                        self.issue(q, s, first, depth, &mut wide, &mut sums[(g + 1) % 2]);
+                self.widen::<Q4>(q, stage(0), &mut wide[0]);
+                self.issue::<Q4>(q, stage(0), &wide[0], &mut sums[0]);
+                if stages > 1 {
+                    self.widen::<Q4>(q, stage(1), &mut wide[1]);
+                }
+                for i in 0..stages {
+                    if i + 1 < stages {
+                        self.issue::<Q4>(
+                            q,
+                            stage(i + 1),
+                            &wide[(i + 1) % 2],
+                            &mut sums[(i + 1) % 2],
+                        );
                     }
-                    let (first, depth) = group(g);
-                    self.fold(q, s, first, depth, &sums[g % 2], &mut acc);
+                    if i + 2 < stages {
+                        self.widen::<Q4>(q, stage(i + 2), &mut wide[i % 2]);
+                    }
+                    self.fold::<Q4>(q, stage(i), &sums[i % 2], &mut acc, &mut put);
                 }
             }
-            // SAFETY: releasing the tiles is always allowed; it spares every later context
-            // switch of this thread saving them.
-            unsafe { asm!("tilerelease", options(nostack)) };
-            let mut out = [[0f32; STRIP]; VECTORS];
-            for (o, acc) in out.iter_mut().zip(acc) {
-                // SAFETY: 16 f32; AVX-512F is enabled here.
-                unsafe { _mm512_storeu_ps(o.as_mut_ptr(), acc) };
-            }
-            out
         }
 
-        /// Multiplies blocks `first..first + depth` (at most [`DEPTH`]) of strip `s` into
-        /// `sums`.
+        /// Widens the Q4_1 nibbles of `units` into `wide` (Q8_0's tile B is read where it
+        /// is kept), and asks memory for the units [`AHEAD`] of them.
         ///
         /// # Safety
         ///
-        /// The tile configuration is loaded; AVX-512F is the caller's; the blocks exist.
+        /// AVX-512F is the caller's; the units exist.
         #[inline(always)]
-        unsafe fn issue(
-            &self,
-            q: &QuantMatrix,
-            s: usize,
-            first: usize,
-            depth: usize,
-            wide: &mut Weights,
-            sums: &mut Sums,
-        ) {
-            let (q4, cols, a) = (q.kind() == QuantKind::Q4_1, q.cols(), &self.a);
-            // Tile B of each block: the strip's blocks are consecutive, 512 bytes each
-            // for Q8_0; Q4_1's nibbles are widened into `wide` first.
-            let weights = if q4 {
-                for (i, wide) in wide.0.iter_mut().take(depth).enumerate() {
-                    let data = q.strip_block(s, first + i);
-                    // SAFETY: 4 chunks of 64 bytes in, 8 out; AVX-512F is enabled here.
-                    unsafe {
-                        let low = _mm512_set1_epi8(0x0F);
-                        for j in 0..4 {
-                            let c = _mm512_loadu_si512(data.as_ptr().add(64 * j).cast());
-                            let (lo, hi) = (
-                                _mm512_and_si512(c, low),
-                                _mm512_and_si512(_mm512_srli_epi32::<4>(c), low),
-                            );
-                            _mm512_store_si512(wide.as_mut_ptr().add(64 * j).cast(), lo);
-                            _mm512_store_si512(wide.as_mut_ptr().add(64 * (j + 4)).cast(), hi);
-                        }
+        unsafe fn widen<const Q4: bool>(&self, q: &QuantMatrix, stage: Stage, wide: &mut Weights) {
+            let units = stage.first..stage.first + stage.len;
+            let (packed, scales) = (q.packed(), q.scales());
+            let unit_bytes = q.kind().chunks() * 64;
+            for u in units.clone() {
+                let at = (u + AHEAD) * unit_bytes;
+                let scale_at = (u + AHEAD) * 2 * STRIP;
+                // SAFETY: a prefetch never faults; its address is only computed.
+                unsafe {
+                    for line in (0..unit_bytes).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(packed.as_ptr().wrapping_add(at + line).cast());
+                    }
+                    for f in (0..2 * STRIP).step_by(16) {
+                        _mm_prefetch::<_MM_HINT_T0>(
+                            scales.as_ptr().wrapping_add(scale_at + f).cast(),
+                        );
                     }
                 }
+            }
+            if !Q4 {
+                return;
+            }
+            for (wide, u) in wide.0.iter_mut().zip(units) {
+                let data = &packed[u * unit_bytes..(u + 1) * unit_bytes];
+                // SAFETY: 4 chunks of 64 bytes in, 8 out; AVX-512F is enabled here.
+                unsafe {
+                    let low = _mm512_set1_epi8(0x0F);
+                    for j in 0..4 {
+                        let c = _mm512_loadu_si512(data.as_ptr().add(64 * j).cast());
+                        let (lo, hi) = (
+                            _mm512_and_si512(c, low),
+                            _mm512_and_si512(_mm512_srli_epi32::<4>(c), low),
+                        );
+                        _mm512_store_si512(wide.as_mut_ptr().add(64 * j).cast(), lo);
+                        _mm512_store_si512(wide.as_mut_ptr().add(64 * (j + 4)).cast(), hi);
+                    }
+                }
+            }
+        }
+
+        /// Multiplies `units` (at most [`DEPTH`]) into `sums`, their weights in `wide`
+        /// (Q4_1) or in `q`.
+        ///
+        /// # Safety
+        ///
+        /// The tiles are configured; the units exist; `wide` holds their widened weights.
+        #[inline(always)]
+        unsafe fn issue<const Q4: bool>(
+            &self,
+            q: &QuantMatrix,
+            stage: Stage,
+            wide: &Weights,
+            sums: &mut Sums,
+        ) {
+            let cols = q.cols();
+            let weights = if Q4 {
                 wide.0.as_ptr().cast::<u8>()
             } else {
-                q.strip_block(s, first).as_ptr()
+                q.packed()[stage.first * 512..].as_ptr()
             };
-            // SAFETY: block `first + i`'s tile A reads `n` rows of 32 bytes at `cols`
-            // from column `32 (first + i)` of `a` (`n` rows of `cols`), its tile B the
-            // 512 bytes at `weights + 512 i` (`wide`, or the strip's blocks, whole ones:
-            // `depth` is what is left), its sums are stored into `sums.0[i]` (`n` rows
-            // of 64 bytes). The shapes are the configuration loaded above.
+            // Tile A of each unit: its block of every vector.
+            let mut a = [self.a.as_ptr(); DEPTH];
+            for (a, (_, block)) in a.iter_mut().zip(stage.units()) {
+                *a = self.a[BLOCK * block..].as_ptr();
+            }
+            let c = sums.0.as_mut_ptr();
+            // SAFETY: unit `i`'s tile A reads 16 rows of 32 bytes at `cols` from its
+            // block's column of `a` (16 rows of `cols`), its tile B the 512 bytes at
+            // `weights + 512 i` (`wide`, or the units as kept: whole ones, the range is
+            // inside the matrix), its sums are stored into `sums.0[i]` (16 rows of 64
+            // bytes). The shapes are those configured.
             unsafe {
-                let (a, c) = (a.as_ptr().add(BLOCK * first), sums.0.as_mut_ptr());
-                if depth == DEPTH {
+                if stage.len == DEPTH {
                     asm!(
                         "tilezero tmm0",
                         "tilezero tmm1",
                         "tilezero tmm2",
                         "tilezero tmm3",
-                        "tileloadd tmm4, [{a} + {sa} * 1]",
+                        "tileloadd tmm4, [{a0} + {sa} * 1]",
                         "tileloadd tmm6, [{w} + {s64} * 1]",
                         "tdpbsud tmm0, tmm4, tmm6",
-                        "tileloadd tmm5, [{a} + {sa} * 1 + 32]",
+                        "tileloadd tmm5, [{a1} + {sa} * 1]",
                         "tileloadd tmm7, [{w} + {s64} * 1 + 512]",
                         "tdpbsud tmm1, tmm5, tmm7",
-                        "tileloadd tmm4, [{a} + {sa} * 1 + 64]",
+                        "tileloadd tmm4, [{a2} + {sa} * 1]",
                         "tileloadd tmm6, [{w} + {s64} * 1 + 1024]",
                         "tdpbsud tmm2, tmm4, tmm6",
-                        "tileloadd tmm5, [{a} + {sa} * 1 + 96]",
+                        "tileloadd tmm5, [{a3} + {sa} * 1]",
                         "tileloadd tmm7, [{w} + {s64} * 1 + 1536]",
                         "tdpbsud tmm3, tmm5, tmm7",
                         "tilestored [{c} + {s64} * 1], tmm0",
                         "tilestored [{c} + {s64} * 1 + 1024], tmm1",
                         "tilestored [{c} + {s64} * 1 + 2048], tmm2",
                         "tilestored [{c} + {s64} * 1 + 3072], tmm3",
-                        a = in(reg) a, sa = in(reg) cols, w = in(reg) weights,
+                        a0 = in(reg) a[0], a1 = in(reg) a[1], a2 = in(reg) a[2], a3 = in(reg) a[3],
+                        sa = in(reg) cols, w = in(reg) weights,
                         c = in(reg) c, s64 = in(reg) 64usize,
                         options(nostack),
                     );
                 } else {
-                    for i in 0..depth {
+                    for (i, a) in a.iter().take(stage.len).enumerate() {
                         asm!(
                             "tilezero tmm0",
                             "tileloadd tmm4, [{a} + {sa} * 1]",
                             "tileloadd tmm6, [{w} + {s64} * 1]",
                             "tdpbsud tmm0, tmm4, tmm6",
                             "tilestored [{c} + {s64} * 1], tmm0",
-                            a = in(reg) a.add(BLOCK * i), sa = in(reg) cols,
+                            a = in(reg) *a, sa = in(reg) cols,
                             w = in(reg) weights.add(512 * i),
                             c = in(reg) c.add(i), s64 = in(reg) 64usize,
                             options(nostack),
@@ -782,26 +917,28 @@ mod amx {
             }
         }
 
-        /// Scales the sums of blocks `first..first + depth` of strip `s` into `acc`.
+        /// Scales the sums of `units` into `acc`, which a strip's first unit clears and
+        /// its last hands to `put`.
         ///
         /// # Safety
         ///
-        /// AVX-512F is the caller's; the blocks exist.
+        /// AVX-512F is the caller's; the units exist.
         #[inline(always)]
-        unsafe fn fold(
+        unsafe fn fold<const Q4: bool>(
             &self,
             q: &QuantMatrix,
-            s: usize,
-            first: usize,
-            depth: usize,
+            stage: Stage,
             sums: &Sums,
             acc: &mut [__m512; VECTORS],
+            put: &mut impl FnMut(usize, &[[f32; STRIP]; VECTORS]),
         ) {
-            let q4 = q.kind() == QuantKind::Q4_1;
-            for (i, sums) in sums.0.iter().take(depth).enumerate() {
-                let b = first + i;
+            for (sums, (s, b)) in sums.0.iter().zip(stage.units()) {
+                if b == 0 {
+                    // SAFETY: AVX-512F is enabled here.
+                    *acc = [unsafe { _mm512_setzero_ps() }; VECTORS];
+                }
                 let scales = q.strip_scales(s, b);
-                let (dx, sx, sum) = (&self.d[b], &self.s[b], &self.sum[b]);
+                let (dx, sx, plus) = (&self.d[b], &self.s[b], &self.plus[b]);
                 // SAFETY: 32 scales, 16 sums a vector; AVX-512F is enabled here. Past the
                 // group's last vector the sums, `d` and `s` are zero: those lanes stay 0.
                 unsafe {
@@ -809,16 +946,24 @@ mod amx {
                     let m = _mm512_loadu_ps(scales.as_ptr().add(STRIP));
                     for v in 0..VECTORS {
                         let mut isum = _mm512_load_si512(sums[v].as_ptr().cast());
-                        if !q4 {
-                            // The weights were stored plus 128.
-                            isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * sum[v]));
+                        if !Q4 {
+                            // The weights were kept plus 128.
+                            isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(plus[v]));
                         }
                         let dd = _mm512_mul_ps(d, _mm512_set1_ps(dx[v]));
                         acc[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, acc[v]);
-                        if q4 {
+                        if Q4 {
                             acc[v] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[v]), acc[v]);
                         }
                     }
+                }
+                if b + 1 == stage.blocks {
+                    let mut out = [[0f32; STRIP]; VECTORS];
+                    for (o, acc) in out.iter_mut().zip(acc.iter()) {
+                        // SAFETY: 16 f32; AVX-512F is enabled here.
+                        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *acc) };
+                    }
+                    put(s, &out);
                 }
             }
         }

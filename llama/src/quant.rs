@@ -170,6 +170,17 @@ impl QuantMatrix {
         self.cols / BLOCK
     }
 
+    /// Every strip's blocks, strip after strip ([`Self::strip_block`] each).
+    pub(crate) fn packed(&self) -> &[u8] {
+        &self.packed
+    }
+
+    /// Every strip's blocks' scales, in the order of [`Self::packed`]
+    /// ([`Self::strip_scales`] each).
+    pub(crate) fn scales(&self) -> &[f32] {
+        &self.scales
+    }
+
     /// Strip `s`'s block `b`: [`QuantKind::chunks`] chunks of 64 bytes.
     pub(crate) fn strip_block(&self, s: usize, b: usize) -> &[u8] {
         let len = self.kind.chunks() * 64;
