@@ -12,6 +12,7 @@
 //! - [`layout`]: the page order kvfence chose and the one it did not, with the runner's page
 //!   reads and writes in each, for `kvllmbench layout`.
 
+mod attend;
 pub mod chat;
 pub mod codec;
 pub mod gguf;

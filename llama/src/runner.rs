@@ -76,8 +76,9 @@ use std::fmt;
 
 use libkv::model::{BatchStep, KvCache, ModelError, ModelRunner, PageWrite};
 use libkv::proto::Sampling;
-use libkv::{Kv, PageGeometry};
+use libkv::{Dtype, Kv, PageGeometry};
 
+use crate::attend;
 use crate::math::{self, View};
 use crate::quant::{self, Mat, QuantMatrix};
 use crate::weights::{LayerQuant, LayerWeights, LlamaConfig, LlamaWeights};
@@ -691,26 +692,53 @@ impl LlamaRunner {
             (g * group).max(heads.start) - heads.start
                 ..((g + 1) * group).min(heads.end) - heads.start
         };
-        let mut buf = vec![0f32; tpp * hd];
+        // The bf16 kernels read the slabs in place and spread the prefetch of the next slab
+        // over this one's rows; elsewhere each slab is decoded into `buf` first and the
+        // whole next page asked of memory at once. Both give the same bits.
+        let fused = dtype == Dtype::Bf16 && attend::available() && hd.is_multiple_of(8);
+        let mut buf = if fused {
+            Vec::new()
+        } else {
+            vec![0f32; tpp * hd]
+        };
+        // KV head `g`'s slab for `kv` on page `pi` (empty past the last page read).
+        let slab = |pi: usize, kv: Kv, g: usize| -> &[u8] {
+            match pages.get(pi).filter(|_| pi * tpp < read) {
+                Some(page) => &page[self.slab(l, kv, g, tpp.min(read - pi * tpp))],
+                None => &[],
+            }
+        };
         // The slabs of page `pi` for `kv`, asked of memory while the page before is read:
         // pages lie anywhere, so no hardware prefetcher sees the next one coming.
         let prefetch = |pi: usize, kv: Kv| {
-            if let Some(page) = pages.get(pi).filter(|_| pi * tpp < read) {
-                let slots = tpp.min(read - pi * tpp);
+            if !fused {
                 for g in kv_heads.clone() {
-                    math::prefetch(&page[self.slab(l, kv, g, slots)]);
+                    math::prefetch(slab(pi, kv, g));
                 }
             }
         };
         prefetch(0, Kv::K);
-        for (pi, page) in pages.iter().enumerate() {
-            let slots = tpp.min(read - pi * tpp);
-            let at = pi * tpp..pi * tpp + slots;
+        for pi in 0..pages.len() {
+            let at = pi * tpp..(pi * tpp + tpp).min(read);
             prefetch(pi + 1, Kv::K);
             for g in kv_heads.clone() {
-                let kb = &mut buf[..slots * hd];
-                math::decode(dtype, &page[self.slab(l, Kv::K, g, slots)], kb);
-                for j in local(g) {
+                let (js, keys) = (local(g), slab(pi, Kv::K, g));
+                if fused {
+                    // The slab read after this one: the head's keys on the next page, or
+                    // its values on the first.
+                    let ahead = if pi + 1 < pages.len() {
+                        slab(pi + 1, Kv::K, g)
+                    } else {
+                        slab(0, Kv::V, g)
+                    };
+                    let q = &q[js.start * hd..js.end * hd];
+                    let rows = &mut scores[js.start * total + at.start..];
+                    attend::scores(keys, hd, q, rows, total, ahead);
+                    continue;
+                }
+                let kb = &mut buf[..at.len() * hd];
+                math::decode(dtype, keys, kb);
+                for j in js {
                     let row = &mut scores[j * total..(j + 1) * total];
                     math::matvec(kb, &q[j * hd..(j + 1) * hd], &mut row[at.clone()]);
                 }
@@ -730,14 +758,20 @@ impl LlamaRunner {
         }
         out.fill(0.0);
         prefetch(0, Kv::V);
-        for (pi, page) in pages.iter().enumerate() {
-            let slots = tpp.min(read - pi * tpp);
-            let at = pi * tpp..pi * tpp + slots;
+        for pi in 0..pages.len() {
+            let at = pi * tpp..(pi * tpp + tpp).min(read);
             prefetch(pi + 1, Kv::V);
             for g in kv_heads.clone() {
-                let vb = &mut buf[..slots * hd];
-                math::decode(dtype, &page[self.slab(l, Kv::V, g, slots)], vb);
-                for j in local(g) {
+                let (js, values) = (local(g), slab(pi, Kv::V, g));
+                if fused {
+                    let p = &scores[js.start * total + at.start..];
+                    let out = &mut out[js.start * hd..js.end * hd];
+                    attend::weighted(values, hd, p, total, out, slab(pi + 1, Kv::V, g));
+                    continue;
+                }
+                let vb = &mut buf[..at.len() * hd];
+                math::decode(dtype, values, vb);
+                for j in js {
                     let p = &scores[j * total + at.start..j * total + at.end];
                     math::weighted_sum(p, vb, &mut out[j * hd..(j + 1) * hd]);
                 }
