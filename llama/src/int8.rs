@@ -543,7 +543,7 @@ mod amx {
     //! stage apart: the nibbles of stage `i + 2` are widened while the tiles of stage
     //! `i + 1` are multiplied and stored and the sums of stage `i` are scaled. So no tile
     //! load waits for the stores that widened its weights, and no scaling for the store of
-    //! its tile.
+    //! its tile. (Two or three stages apart measured no faster: [`LAG`].)
     //!
     //! The tile instructions are written as inline assembly (the compiler's AMX
     //! intrinsics are not stable); the compiler never uses tile registers itself, so they
@@ -638,6 +638,12 @@ mod amx {
 
     /// Units a stage multiplies at once, each into its own tile of sums.
     const DEPTH: usize = 4;
+
+    /// Steps from a stage's widening to its multiplying, and from that to its scaling.
+    const LAG: usize = 1;
+
+    /// Buffers of each kind in flight.
+    const SLOTS: usize = LAG + 1;
 
     /// Units the prefetches run ahead of the stage being widened.
     const AHEAD: usize = 8;
@@ -762,33 +768,24 @@ mod amx {
                     blocks,
                 }
             };
-            let mut sums = [
-                Sums([[[0; STRIP]; VECTORS]; DEPTH]),
-                Sums([[[0; STRIP]; VECTORS]; DEPTH]),
-            ];
-            let mut wide = [Weights([[0; 512]; DEPTH]), Weights([[0; 512]; DEPTH])];
+            let mut sums: [Sums; SLOTS] =
+                std::array::from_fn(|_| Sums([[[0; STRIP]; VECTORS]; DEPTH]));
+            let mut wide: [Weights; SLOTS] = std::array::from_fn(|_| Weights([[0; 512]; DEPTH]));
             let mut acc = [_mm512_setzero_ps(); VECTORS];
             // SAFETY: the caller's promises; every stage is inside the strips' units, and
-            // the buffers a stage reads were written a stage before (see the module docs).
+            // the buffers a stage reads were written `LAG` steps before and are not
+            // written again until it was read (see the module docs).
             unsafe {
-                self.widen::<Q4>(q, stage(0), &mut wide[0]);
-                self.issue::<Q4>(q, stage(0), &wide[0], &mut sums[0]);
-                if stages > 1 {
-                    self.widen::<Q4>(q, stage(1), &mut wide[1]);
-                }
-                for i in 0..stages {
-                    if i + 1 < stages {
-                        self.issue::<Q4>(
-                            q,
-                            stage(i + 1),
-                            &wide[(i + 1) % 2],
-                            &mut sums[(i + 1) % 2],
-                        );
+                for t in 0..stages + 2 * LAG {
+                    if let Some(i) = t.checked_sub(LAG).filter(|&i| i < stages) {
+                        self.issue::<Q4>(q, stage(i), &wide[i % SLOTS], &mut sums[i % SLOTS]);
                     }
-                    if i + 2 < stages {
-                        self.widen::<Q4>(q, stage(i + 2), &mut wide[i % 2]);
+                    if t < stages {
+                        self.widen::<Q4>(q, stage(t), &mut wide[t % SLOTS]);
                     }
-                    self.fold::<Q4>(q, stage(i), &sums[i % 2], &mut acc, &mut put);
+                    if let Some(i) = t.checked_sub(2 * LAG) {
+                        acc = self.fold::<Q4>(q, stage(i), &sums[i % SLOTS], acc, &mut put);
+                    }
                 }
             }
         }
@@ -917,8 +914,8 @@ mod amx {
             }
         }
 
-        /// Scales the sums of `units` into `acc`, which a strip's first unit clears and
-        /// its last hands to `put`.
+        /// Scales the sums of `units` into `acc` and returns it; a strip's first unit
+        /// clears it and its last hands it to `put`.
         ///
         /// # Safety
         ///
@@ -929,13 +926,13 @@ mod amx {
             q: &QuantMatrix,
             stage: Stage,
             sums: &Sums,
-            acc: &mut [__m512; VECTORS],
+            mut acc: [__m512; VECTORS],
             put: &mut impl FnMut(usize, &[[f32; STRIP]; VECTORS]),
-        ) {
+        ) -> [__m512; VECTORS] {
             for (sums, (s, b)) in sums.0.iter().zip(stage.units()) {
                 if b == 0 {
                     // SAFETY: AVX-512F is enabled here.
-                    *acc = [unsafe { _mm512_setzero_ps() }; VECTORS];
+                    acc = [unsafe { _mm512_setzero_ps() }; VECTORS];
                 }
                 let scales = q.strip_scales(s, b);
                 let (dx, sx, plus) = (&self.d[b], &self.s[b], &self.plus[b]);
@@ -966,6 +963,7 @@ mod amx {
                     put(s, &out);
                 }
             }
+            acc
         }
     }
 }
