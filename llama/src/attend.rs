@@ -19,6 +19,27 @@
 /// Query heads a kernel call takes at once (a KV head's group; more go round again).
 const HEADS: usize = 4;
 
+/// The groups a call's `heads` query heads go in, each `(first head, heads, prefetch)`:
+/// [`HEADS`] at a time, only the first pass over the rows prefetching `ahead`.
+fn groups(heads: usize, ahead: &[u8]) -> impl Iterator<Item = (usize, usize, &[u8])> {
+    (0..heads)
+        .step_by(HEADS)
+        .map(move |j| (j, HEADS.min(heads - j), if j == 0 { ahead } else { &[] }))
+}
+
+/// `x86::$kernel::<N>(args)` for `N = $n` (1 to [`HEADS`]): a kernel keeps an accumulator
+/// a head in registers, so its count of heads is a constant.
+macro_rules! with_heads {
+    ($n:expr, $kernel:ident, $($arg:expr),*) => {
+        match $n {
+            1 => x86::$kernel::<1>($($arg),*),
+            2 => x86::$kernel::<2>($($arg),*),
+            3 => x86::$kernel::<3>($($arg),*),
+            _ => x86::$kernel::<4>($($arg),*),
+        }
+    };
+}
+
 /// Whether the kernels run on this CPU (else the caller goes the plain way).
 pub(crate) fn available() -> bool {
     crate::math::has_avx2_fma()
@@ -50,20 +71,10 @@ pub(crate) fn scores(
         out.len() >= (heads - 1) * stride + slots,
         "attend::scores: out too short"
     );
-    for j in (0..heads).step_by(HEADS) {
-        let n = HEADS.min(heads - j);
+    for (j, n, ahead) in groups(heads, ahead) {
         let (q, out) = (&q[j * hd..(j + n) * hd], &mut out[j * stride..]);
-        // Only the first pass over the keys prefetches.
-        let ahead = if j == 0 { ahead } else { &[] };
         // SAFETY: the CPU has AVX2 and FMA (asserted); the shapes are asserted above.
-        unsafe {
-            match n {
-                1 => x86::scores::<1>(keys, hd, q, out, stride, ahead),
-                2 => x86::scores::<2>(keys, hd, q, out, stride, ahead),
-                3 => x86::scores::<3>(keys, hd, q, out, stride, ahead),
-                _ => x86::scores::<4>(keys, hd, q, out, stride, ahead),
-            }
-        }
+        unsafe { with_heads!(n, scores, keys, hd, q, out, stride, ahead) };
     }
 }
 
@@ -92,19 +103,10 @@ pub(crate) fn weighted(
         p.len() >= (heads - 1) * stride + slots,
         "attend::weighted: p too short"
     );
-    for j in (0..heads).step_by(HEADS) {
-        let n = HEADS.min(heads - j);
+    for (j, n, ahead) in groups(heads, ahead) {
         let (p, out) = (&p[j * stride..], &mut out[j * hd..(j + n) * hd]);
-        let ahead = if j == 0 { ahead } else { &[] };
         // SAFETY: as in `scores`.
-        unsafe {
-            match n {
-                1 => x86::weighted::<1>(values, hd, p, stride, out, ahead),
-                2 => x86::weighted::<2>(values, hd, p, stride, out, ahead),
-                3 => x86::weighted::<3>(values, hd, p, stride, out, ahead),
-                _ => x86::weighted::<4>(values, hd, p, stride, out, ahead),
-            }
-        }
+        unsafe { with_heads!(n, weighted, values, hd, p, stride, out, ahead) };
     }
 }
 
