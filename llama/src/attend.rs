@@ -356,4 +356,62 @@ mod tests {
             }
         }
     }
+
+    /// Scores and weighted sums over slabs laid out as decode reads them (a page's three
+    /// KV heads' slabs side by side, pages anywhere), from a buffer far larger than the
+    /// caches and from one that fits in L2: how far the kernels are from memory's speed.
+    #[test]
+    #[ignore = "a measurement: cargo test --release -p llama --lib attend_speed -- --ignored"]
+    fn attend_speed() {
+        if !available() {
+            return;
+        }
+        let (hd, heads, tpp, kv_heads) = (64, 3, 16, 3);
+        let slab = tpp * hd * 2;
+        let block = kv_heads * slab;
+        let mut seed = 3u64;
+        for (what, bytes) in [("cold", 256usize << 20), ("hot", 1 << 20)] {
+            let buf = bf16_rows(bytes / 2, &mut seed);
+            let blocks = bytes / block;
+            // 16 requests x 10 pages, each page a random block.
+            let order: Vec<usize> = (0..160 * 30)
+                .map(|_| {
+                    seed = seed
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    usize::try_from(seed >> 33).unwrap_or(0) % blocks
+                })
+                .collect();
+            let q: Vec<f32> = (0..heads * hd).map(|_| lcg(&mut seed)).collect();
+            let p = vec![0.01f32; heads * tpp];
+            let (mut out, mut acc) = (vec![0f32; heads * tpp], vec![0f32; heads * hd]);
+            let at = |b: usize, g: usize| &buf[order[b] * block + g * slab..][..slab];
+            // Each slab in order, the same head's slab of the next page prefetched.
+            let time = |kernel: &str, run: &mut dyn FnMut(&[u8], &[u8])| {
+                let t = std::time::Instant::now();
+                for b in 0..order.len() {
+                    for g in 0..kv_heads {
+                        let ahead = if b + 1 < order.len() {
+                            at(b + 1, g)
+                        } else {
+                            &[]
+                        };
+                        run(at(b, g), ahead);
+                    }
+                }
+                let s = t.elapsed().as_secs_f64();
+                eprintln!(
+                    "{kernel} {what}: {:.1} ns a row, {:.2} GB/s",
+                    s * 1e9 / (order.len() * kv_heads * tpp) as f64,
+                    (order.len() * block) as f64 / s / 1e9
+                );
+            };
+            time("scores", &mut |keys, ahead| {
+                scores(keys, hd, &q, &mut out, tpp, ahead);
+            });
+            time("weighted", &mut |values, ahead| {
+                weighted(values, hd, &p, tpp, &mut acc, ahead);
+            });
+        }
+    }
 }

@@ -78,6 +78,38 @@ impl Q8Vec {
     }
 }
 
+/// Vectors as the kernels take them: quantized, and arranged in tile groups the first time
+/// the AMX kernel takes them. A decode step multiplies one set of vectors by many small runs
+/// of rows (each a share its thread takes), so they are quantized and arranged once.
+#[derive(Debug)]
+pub(crate) struct Vectors {
+    q8: Vec<Q8Vec>,
+    #[cfg(target_arch = "x86_64")]
+    groups: std::cell::OnceCell<Vec<amx::Group>>,
+}
+
+impl Vectors {
+    pub(crate) fn new(q8: Vec<Q8Vec>) -> Vectors {
+        Vectors {
+            q8,
+            #[cfg(target_arch = "x86_64")]
+            groups: std::cell::OnceCell::new(),
+        }
+    }
+
+    /// Each of `xs` quantized ([`Q8Vec::new`]).
+    pub(crate) fn quantize(xs: &[&[f32]]) -> Vectors {
+        Vectors::new(xs.iter().map(|x| Q8Vec::new(x)).collect())
+    }
+
+    /// The vectors in groups of [`amx::VECTORS`], made on the first call.
+    #[cfg(target_arch = "x86_64")]
+    fn groups(&self) -> &[amx::Group] {
+        self.groups
+            .get_or_init(|| self.q8.chunks(amx::VECTORS).map(amx::Group::new).collect())
+    }
+}
+
 /// The scale of a block whose largest magnitude is `amax`, and its inverse; `None` when
 /// the block quantizes to zeros (all zero, or too small for the inverse to be finite).
 #[inline(always)]
@@ -282,7 +314,7 @@ const AMX_FROM: usize = 12;
 /// `rows.start + i` times `xs[v]`, the same bits whatever the kernel.
 pub(crate) fn matvec(
     q: &QuantMatrix,
-    xs: &[Q8Vec],
+    xs: &Vectors,
     rows: Range<usize>,
     out: &mut [f32],
     stride: usize,
@@ -294,11 +326,12 @@ pub(crate) fn matvec(
 pub(crate) fn matvec_with(
     kernel: Kernel,
     q: &QuantMatrix,
-    xs: &[Q8Vec],
+    vectors: &Vectors,
     rows: Range<usize>,
     out: &mut [f32],
     stride: usize,
 ) {
+    let xs = &vectors.q8[..];
     assert!(
         xs.iter().all(|x| x.q.len() == q.cols()),
         "int8::matvec: vector length"
@@ -330,7 +363,7 @@ pub(crate) fn matvec_with(
             out[at..at + hi - lo].copy_from_slice(&strip[lo - first..hi - first]);
         };
         if kernel == Kernel::Amx && xs.len() >= AMX_FROM {
-            let groups: Vec<amx::Group> = xs.chunks(amx::VECTORS).map(amx::Group::new).collect();
+            let groups = vectors.groups();
             // SAFETY: `Kernel::Amx` is only `best` where the CPU has AMX-INT8, AVX-512F and
             // VNNI and the process may use the tiles.
             let _tiles = unsafe { amx::Tiles::configure() };
@@ -686,6 +719,7 @@ mod amx {
     /// last), and each block's `d`, `s` and the Q8_0 correction `128 sum` of every vector
     /// (zero past the last), so that the scaling runs over all 16 lanes with no branch on
     /// the group's size.
+    #[derive(Debug)]
     pub(super) struct Group {
         len: usize,
         a: Vec<i8>,
@@ -1049,6 +1083,7 @@ mod tests {
                     let span = 1..rows;
                     let n = span.len();
                     let mut got = vec![0f32; vectors * n];
+                    let xs = Vectors::new(xs);
                     matvec(&q, &xs, span.clone(), &mut got, n);
                     for kernel in Kernel::all() {
                         let mut other = vec![0f32; vectors * n];
@@ -1060,7 +1095,7 @@ mod tests {
                             "{kernel:?}, {kind:?} {rows}x{cols}, {vectors} vectors"
                         );
                     }
-                    for (v, x) in xs.iter().enumerate() {
+                    for (v, x) in xs.q8.iter().enumerate() {
                         for (i, r) in span.clone().enumerate() {
                             let want = dot_portable(&q, r, x);
                             assert_eq!(
@@ -1100,7 +1135,7 @@ mod tests {
         let q = QuantMatrix::new(QuantKind::Q4_1, 32, 64, bytes).unwrap();
         let mut x = values(64, &mut seed);
         x[50] = f32::NAN;
-        let xs = [Q8Vec::new(&values(64, &mut seed)), Q8Vec::new(&x)];
+        let xs = Vectors::new(vec![Q8Vec::new(&values(64, &mut seed)), Q8Vec::new(&x)]);
         let mut out = vec![0f32; 64];
         matvec(&q, &xs, 0..32, &mut out, 32);
         assert!(out[..32].iter().all(|v| v.is_finite()));

@@ -21,9 +21,11 @@
 //!
 //! Starting a thread costs about 100 µs on a small virtual machine, as much as a whole
 //! 576 x 576 product, so a decode step starts its threads once ([`team`]) and they run the
-//! whole forward pass together: each computes its share of the rows of every product and
-//! publishes them in a [`SharedVec`], and all meet at a [`SpinBarrier`] before reading the
-//! full vector. The cheap vector work (norms, RoPE, residuals) is repeated by every thread on
+//! whole forward pass together: each takes runs of the rows of every product (and requests
+//! of attention) one at a time, as it gets to them ([`Member::units`]), publishes them in
+//! a [`SharedVec`], and all meet at a [`SpinBarrier`] before reading the full vector. So a
+//! member whose core is shared with another process holds up the step by a run at most,
+//! not by half of every product. The cheap vector work (norms, RoPE, residuals) is repeated by every thread on
 //! identical inputs. The prefill's sgemm products are large enough to start threads per
 //! product ([`for_each_parallel`]).
 //!
@@ -86,6 +88,9 @@ pub(crate) struct SpinBarrier {
     /// Set when a member panicked: the others stop waiting (their results are then
     /// discarded, as the panic propagates from [`team`]).
     poisoned: AtomicBool,
+    /// The next unit of the phase's work to hand out ([`Member::units`]), back to 0 at
+    /// every barrier.
+    next: AtomicUsize,
 }
 
 impl SpinBarrier {
@@ -95,18 +100,23 @@ impl SpinBarrier {
             arrived: AtomicUsize::new(0),
             generation: AtomicUsize::new(0),
             poisoned: AtomicBool::new(false),
+            next: AtomicUsize::new(0),
         }
     }
 
     fn wait(&self) {
         if self.n <= 1 {
+            self.next.store(0, Ordering::Relaxed);
             return;
         }
         let generation = self.generation.load(Ordering::Acquire);
         if self.arrived.fetch_add(1, Ordering::AcqRel) + 1 == self.n {
             // The last to arrive resets the count, then releases the others; none of them
-            // arrives at the next barrier before it sees the new generation.
+            // arrives at the next barrier before it sees the new generation. Every member
+            // took its last unit of this phase before arriving, so the next phase's units
+            // start from 0.
             self.arrived.store(0, Ordering::Relaxed);
+            self.next.store(0, Ordering::Relaxed);
             self.generation.fetch_add(1, Ordering::AcqRel);
             return;
         }
@@ -142,6 +152,8 @@ pub(crate) struct Member<'a> {
     index: usize,
     count: usize,
     barrier: &'a SpinBarrier,
+    /// Whether this member took units in the current phase ([`Member::units`]).
+    claimed: std::cell::Cell<bool>,
 }
 
 impl Member<'_> {
@@ -157,8 +169,28 @@ impl Member<'_> {
         self.count
     }
 
+    /// Units `0..n` of this phase's work (what the members do between two [`Self::sync`]s),
+    /// as this member takes them, one at a time: the members together take each unit once,
+    /// and one that runs ahead (its core not shared, its units short) takes more. Every
+    /// member calls it at most once a phase, all with the same `n`.
+    ///
+    /// # Panics
+    ///
+    /// If this member already took units in this phase.
+    pub(crate) fn units(&self, n: usize) -> impl Iterator<Item = usize> + '_ {
+        assert!(
+            !self.claimed.replace(true),
+            "Member::units: once between two syncs"
+        );
+        std::iter::from_fn(move || {
+            let i = self.barrier.next.fetch_add(1, Ordering::Relaxed);
+            (i < n).then_some(i)
+        })
+    }
+
     /// Waits until every member got here.
     pub(crate) fn sync(&self) {
+        self.claimed.set(false);
         self.barrier.wait();
     }
 
@@ -178,6 +210,7 @@ pub(crate) fn team<R: Send>(threads: usize, f: impl Fn(&Member<'_>) -> R + Sync)
         index,
         count,
         barrier: &barrier,
+        claimed: std::cell::Cell::new(false),
     };
     if count == 1 {
         return vec![f(&member(0))];
@@ -218,6 +251,10 @@ pub(crate) struct SharedVec(Vec<AtomicU32>);
 impl SharedVec {
     pub(crate) fn new(len: usize) -> SharedVec {
         SharedVec((0..len).map(|_| AtomicU32::new(0)).collect())
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.0.len()
     }
 
     /// Stores `values` from index `at`.
@@ -1097,7 +1134,7 @@ mod tests {
         }
     }
 
-    use crate::quant::{Mat, matvec_multi, matvec_multi_stacked};
+    use crate::quant::{Inputs, Mat, matvec_multi, matvec_multi_stacked};
 
     /// `[W1; W2] x` by a team of `threads`, each member its share of the rows.
     fn team_matvec(w1: &[f32], w2: &[f32], x: &[f32], threads: usize) -> Vec<f32> {
@@ -1108,7 +1145,7 @@ mod tests {
             let mut part = vec![0f32; r.len()];
             let cols = x.len();
             let ms = [Mat::F32 { w: w1, cols }, Mat::F32 { w: w2, cols }];
-            matvec_multi_stacked(&ms, &[x], r.clone(), &mut part);
+            matvec_multi_stacked(&ms, &Inputs::new(vec![x]), r.clone(), &mut part);
             out.store(r.start, &part);
             m.sync();
         });
@@ -1150,6 +1187,50 @@ mod tests {
         });
         assert_eq!(seen.len(), 4);
         assert!(seen.iter().flatten().all(|&ok| ok));
+    }
+
+    /// In every phase the members take each unit once between them, whatever the count of
+    /// units (none, fewer than members, many), and the next phase starts from unit 0. One
+    /// member is slowed down, so the others take more of its units.
+    #[test]
+    fn team_members_take_each_unit_once_a_phase() {
+        let phases = [0usize, 1, 3, 4, 17, 200, 5];
+        for threads in [1, 2, 3, 4] {
+            let taken = team(threads, |m| {
+                let mut taken = Vec::new();
+                for &n in &phases {
+                    let mine: Vec<usize> = m
+                        .units(n)
+                        .inspect(|_| {
+                            if m.is_first() {
+                                std::thread::sleep(std::time::Duration::from_micros(50));
+                            }
+                        })
+                        .collect();
+                    taken.push(mine);
+                    m.sync();
+                }
+                taken
+            });
+            for (p, &n) in phases.iter().enumerate() {
+                let mut all: Vec<usize> = taken.iter().flat_map(|t| t[p].clone()).collect();
+                all.sort_unstable();
+                assert_eq!(
+                    all,
+                    (0..n).collect::<Vec<_>>(),
+                    "{threads} threads, phase {p}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "once between two syncs")]
+    fn a_member_takes_units_once_a_phase() {
+        team(1, |m| {
+            m.units(3).for_each(drop);
+            m.units(3).for_each(drop);
+        });
     }
 
     #[test]

@@ -20,7 +20,7 @@
 use std::ops::Range;
 
 use crate::gguf::GgmlType;
-use crate::int8::{self, Q8Vec};
+use crate::int8;
 use crate::math;
 
 /// The block types kept quantized; their blocks are 32 weights.
@@ -291,6 +291,32 @@ impl Mat<'_> {
     }
 }
 
+/// The vectors a product multiplies: as given, for f32 matrices, and quantized the first
+/// time a quantized matrix takes them ([`int8::Vectors`]), once for every product of them.
+#[derive(Debug)]
+pub(crate) struct Inputs<'a> {
+    xs: Vec<&'a [f32]>,
+    quantized: std::cell::OnceCell<int8::Vectors>,
+}
+
+impl<'a> Inputs<'a> {
+    pub(crate) fn new(xs: Vec<&'a [f32]>) -> Inputs<'a> {
+        Inputs {
+            xs,
+            quantized: std::cell::OnceCell::new(),
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.xs.len()
+    }
+
+    fn quantized(&self) -> &int8::Vectors {
+        self.quantized
+            .get_or_init(|| int8::Vectors::quantize(&self.xs))
+    }
+}
+
 /// Rows `rows` of `M x_b` for every vector `x_b` of `xs` (each `cols` long) into `out`,
 /// vector-major: `out[b * rows.len() + i]` is row `rows.start + i` of `M x_b`. Each output
 /// is the same bits as for that row and vector alone (see the module docs).
@@ -299,15 +325,16 @@ impl Mat<'_> {
 ///
 /// If a vector is not `cols` long, a row is out of range, or `out` is not
 /// `xs.len() * rows.len()` long (bugs in the caller: shapes are validated at load).
+#[cfg(test)]
 pub(crate) fn matvec_multi(m: Mat<'_>, xs: &[&[f32]], rows: Range<usize>, out: &mut [f32]) {
-    matvec_multi_stacked(&[m], xs, rows, out);
+    matvec_multi_stacked(&[m], &Inputs::new(xs.to_vec()), rows, out);
 }
 
 /// [`matvec_multi`] of the matrices `ms` stacked (`[M_0; M_1; ...]`, rows counted across
-/// them), rows `rows` of it. The vectors are quantized once for all the quantized ones.
+/// them), rows `rows` of it.
 pub(crate) fn matvec_multi_stacked(
     ms: &[Mat<'_>],
-    xs: &[&[f32]],
+    xs: &Inputs<'_>,
     rows: Range<usize>,
     out: &mut [f32],
 ) {
@@ -317,7 +344,6 @@ pub(crate) fn matvec_multi_stacked(
         "matvec_multi: output length"
     );
     let stride = rows.len();
-    let mut quantized: Option<Vec<Q8Vec>> = None;
     let mut base = 0;
     for m in ms {
         let n = m.rows();
@@ -325,16 +351,12 @@ pub(crate) fn matvec_multi_stacked(
         if lo < hi {
             let (out, rows) = (&mut out[lo - rows.start..], lo - base..hi - base);
             assert!(
-                xs.iter().all(|x| x.len() == m.cols()),
+                xs.xs.iter().all(|x| x.len() == m.cols()),
                 "matvec_multi: vector length"
             );
             match *m {
-                Mat::Quant(q) => {
-                    let q8 =
-                        quantized.get_or_insert_with(|| xs.iter().map(|x| Q8Vec::new(x)).collect());
-                    int8::matvec(q, q8, rows, out, stride);
-                }
-                Mat::F32 { w, cols } => matvec_f32(w, cols, xs, rows, out, stride),
+                Mat::Quant(q) => int8::matvec(q, xs.quantized(), rows, out, stride),
+                Mat::F32 { w, cols } => matvec_f32(w, cols, &xs.xs, rows, out, stride),
             }
         }
         base += n;
@@ -924,12 +946,12 @@ pub(crate) mod tests {
         let mut got = vec![0f32; 3 * rows.len()];
         matvec_multi_stacked(
             &[Mat::Quant(&a), Mat::Quant(&b)],
-            &refs,
+            &Inputs::new(refs.clone()),
             rows.clone(),
             &mut got,
         );
         for (v, x) in refs.iter().enumerate() {
-            let q8 = Q8Vec::new(x);
+            let q8 = int8::Q8Vec::new(x);
             for (i, r) in rows.clone().enumerate() {
                 let want = if r < 20 {
                     int8::dot_portable(&a, r, &q8)
@@ -997,6 +1019,41 @@ pub(crate) mod tests {
 mod speed {
     use super::*;
 
+    /// `cargo test --release -p llama --lib unit_speed -- --ignored --nocapture`: a product
+    /// of sixteen vectors whole against the same in runs of rows, each run a call as a
+    /// member of a decode step takes it (`UNIT_ROWS` in `runner.rs`): what a call costs.
+    #[test]
+    #[ignore = "a benchmark"]
+    fn unit_speed() {
+        for (rows, cols) in [(960, 576), (576, 1536), (1536, 576)] {
+            let blocks = rows * cols / BLOCK;
+            let mut bytes = vec![0u8; blocks * 20];
+            for (i, b) in bytes.iter_mut().enumerate() {
+                *b = (i * 7 % 251).to_le_bytes()[0] & 0x3F;
+            }
+            let q = QuantMatrix::new(QuantKind::Q4_1, rows, cols, bytes).unwrap();
+            let xs: Vec<Vec<f32>> = (0..16)
+                .map(|b| (0..cols).map(|i| ((i + b) % 13) as f32 * 0.01).collect())
+                .collect();
+            let refs: Vec<&[f32]> = xs.iter().map(Vec::as_slice).collect();
+            for unit in [rows, 256, 128, 64, 32] {
+                let mut out = vec![0f32; 16 * unit];
+                let reps = 500;
+                let t = std::time::Instant::now();
+                for _ in 0..reps {
+                    let inputs = Inputs::new(refs.clone());
+                    for u in 0..rows.div_ceil(unit) {
+                        let r = u * unit..((u + 1) * unit).min(rows);
+                        let k = r.len();
+                        matvec_multi_stacked(&[Mat::Quant(&q)], &inputs, r, &mut out[..16 * k]);
+                    }
+                }
+                let us = t.elapsed().as_secs_f64() * 1e6 / f64::from(reps);
+                eprintln!("{rows}x{cols} x 16 in units of {unit}: {us:>8.1} us");
+            }
+        }
+    }
+
     /// `cargo test --release -p llama --lib kernel_speed -- --ignored --nocapture`: the
     /// products alone, one vector against sixteen, on SmolLM2-135M's shapes.
     #[test]
@@ -1030,7 +1087,8 @@ mod speed {
             // Each integer kernel this CPU runs, one vector and sixteen.
             for kernel in int8::Kernel::all() {
                 for n in [1, 16] {
-                    let q8: Vec<Q8Vec> = xs[..n].iter().map(|x| Q8Vec::new(x)).collect();
+                    let q8 =
+                        int8::Vectors::new(xs[..n].iter().map(|x| int8::Q8Vec::new(x)).collect());
                     let mut out = vec![0f32; n * rows];
                     let reps = if kernel == int8::Kernel::Portable {
                         5

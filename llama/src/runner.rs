@@ -73,6 +73,7 @@
 //! fails rather than emit an arbitrary token.
 
 use std::fmt;
+use std::ops::Range;
 
 use libkv::model::{BatchStep, KvCache, ModelError, ModelRunner, PageWrite};
 use libkv::proto::Sampling;
@@ -88,6 +89,15 @@ pub const CHUNK_TOKENS: usize = 256;
 
 /// Queries per block of the prefill attention, which bounds its score matrix.
 const QUERY_BLOCK: usize = 128;
+
+/// Rows of a layer's product a member of a decode step takes at a time
+/// ([`math::Member::units`]): four strips of the quantized kernels (a 576-row product is
+/// nine units), small enough that the members finish a product together.
+const UNIT_ROWS: usize = 64;
+
+/// Rows of the output product a member takes at a time (the vocabulary is far longer than
+/// a layer's products: 48 units for 49152 tokens).
+const VOCAB_UNIT_ROWS: usize = 1024;
 
 /// Errors building a [`LlamaRunner`].
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -145,6 +155,20 @@ struct Plan {
 /// What a decode step computed for one request: its logits, and its token's K/V
 /// (`[layer][K, V][kv_heads * head_dim]`, empty unless the step appends it).
 type Stepped = (Vec<f32>, Vec<f32>);
+
+/// The vectors the members of a batched decode step share, each holding its phase's
+/// vector of every request, request after request: one a phase of a layer, so that no
+/// member stores into a vector another may still be loading from (members are at most one
+/// barrier apart). `new_kv` holds each request's K/V, `[layer][K, V][kv_heads * head_dim]`,
+/// stored by whichever member attended it and loaded after the team is done.
+struct Shared {
+    qkv: math::SharedVec,
+    att: math::SharedVec,
+    wo: math::SharedVec,
+    act: math::SharedVec,
+    down: math::SharedVec,
+    new_kv: math::SharedVec,
+}
 
 /// One request of a batched decode step, checked and ready to run.
 struct StepIn<'a> {
@@ -484,73 +508,72 @@ impl LlamaRunner {
     /// Attention of a request reads positions `0..read` from its pages and, when `fresh`,
     /// the token's own K/V computed here.
     ///
-    /// The runner's threads run it together as a [`math::team`]: each computes its share of
-    /// the rows of every product, for every request, and its share of each request's query
-    /// heads. Every output is computed as for the request alone (one row, one vector, the
-    /// same kernel), so a request's tokens do not depend on the batch it ran in.
+    /// The runner's threads run it together as a [`math::team`]. Each product is cut into
+    /// runs of rows and each layer's attention into requests ([`math::Member::units`]);
+    /// a member takes the next unit when it is done with its last, so one held up (its
+    /// core shared, its requests longer) holds up the others by a unit at most. Every
+    /// output is computed as for the request alone (one row, one vector, the same kernel),
+    /// so a request's tokens depend neither on the batch it ran in nor on who computed it.
     fn forward_batch(&self, steps: &[StepIn<'_>]) -> Vec<Stepped> {
         let (d, n) = (self.d, steps.len());
         if n == 0 {
             return Vec::new();
         }
-        // One shared vector per phase of a layer, so that no member stores into a vector
-        // another may still be loading from (members are at most one barrier apart). Each
-        // holds the phase's vector of every request, request after request.
-        let s_qkv = math::SharedVec::new(n * (d.q() + 2 * d.kv()));
-        let s_att = math::SharedVec::new(n * d.q());
-        let s_wo = math::SharedVec::new(n * d.hidden);
-        let s_act = math::SharedVec::new(n * d.ffn);
-        let s_down = math::SharedVec::new(n * d.hidden);
-        let parts = math::team(self.threads, |m| {
-            self.forward_member(m, steps, [&s_qkv, &s_att, &s_wo, &s_act, &s_down])
-        });
-        // Member `i` computed a run of the vocabulary for every request, request-major.
-        let mut out: Vec<Stepped> = (0..n)
-            .map(|_| (Vec::with_capacity(d.vocab), Vec::new()))
-            .collect();
-        for (i, (part, kv)) in parts.into_iter().enumerate() {
-            let run = part.len() / n;
-            for (b, (logits, _)) in out.iter_mut().enumerate() {
-                logits.extend_from_slice(&part[b * run..(b + 1) * run]);
-            }
-            if i == 0 {
-                for ((_, new_kv), kv) in out.iter_mut().zip(kv) {
-                    *new_kv = kv;
+        let layer_kv = 2 * d.kv();
+        let shared = Shared {
+            qkv: math::SharedVec::new(n * (d.q() + layer_kv)),
+            att: math::SharedVec::new(n * d.q()),
+            wo: math::SharedVec::new(n * d.hidden),
+            act: math::SharedVec::new(n * d.ffn),
+            down: math::SharedVec::new(n * d.hidden),
+            new_kv: math::SharedVec::new(n * self.w.config.layers * layer_kv),
+        };
+        let parts = math::team(self.threads, |m| self.forward_member(m, steps, &shared));
+        steps
+            .iter()
+            .enumerate()
+            .map(|(b, s)| {
+                let mut logits = vec![0f32; d.vocab];
+                // Each member computed runs of the vocabulary, every request's logits of a
+                // run request after request.
+                for (rows, part) in parts.iter().flatten() {
+                    let k = rows.len();
+                    logits[rows.clone()].copy_from_slice(&part[b * k..(b + 1) * k]);
                 }
-            }
-        }
-        out
+                let mut new_kv = Vec::new();
+                if s.plan.fresh {
+                    let all = self.w.config.layers * layer_kv;
+                    new_kv = vec![0f32; all];
+                    shared.new_kv.load(b * all, &mut new_kv);
+                }
+                (logits, new_kv)
+            })
+            .collect()
     }
 
-    /// Member `m`'s part of [`Self::forward_batch`]: its share of the logits of every
-    /// request (request-major), and (member 0) each request's K/V.
+    /// Member `m`'s part of [`Self::forward_batch`]: the runs of the vocabulary it computed,
+    /// each with its logits of every request (request after request). The K/V it computed
+    /// it leaves in `shared.new_kv`.
     fn forward_member(
         &self,
         m: &math::Member<'_>,
         steps: &[StepIn<'_>],
-        [s_qkv, s_att, s_wo, s_act, s_down]: [&math::SharedVec; 5],
-    ) -> (Vec<f32>, Vec<Vec<f32>>) {
+        shared: &Shared,
+    ) -> Vec<(Range<usize>, Vec<f32>)> {
         let (d, c, n) = (self.d, &self.w.config, steps.len());
-        let qkv_rows = d.q() + 2 * d.kv();
+        let (qkv_rows, layer_kv) = (d.q() + 2 * d.kv(), 2 * d.kv());
         let mut x = vec![0f32; n * d.hidden];
         for (x, s) in x.chunks_exact_mut(d.hidden).zip(steps) {
             let t = s.token as usize;
             x.copy_from_slice(&self.w.token_embd[t * d.hidden..(t + 1) * d.hidden]);
         }
         let mut h = vec![0f32; n * d.hidden];
-        let mut qkv = vec![0f32; n * qkv_rows];
+        let mut qkv = vec![0f32; qkv_rows];
         let mut att = vec![0f32; n * d.q()];
         let mut proj = vec![0f32; n * d.hidden];
         let mut act = vec![0f32; n * d.ffn];
-        let mut part = vec![0f32; n * qkv_rows.max(d.ffn).max(d.hidden)];
-        let mut up = vec![0f32; n * d.ffn];
-        let mut new_kv: Vec<Vec<f32>> = steps
-            .iter()
-            .map(|s| {
-                let keep = s.plan.fresh && m.is_first();
-                vec![0f32; if keep { c.layers * 2 * d.kv() } else { 0 }]
-            })
-            .collect();
+        let mut part = vec![0f32; n * UNIT_ROWS];
+        let (mut gate, mut up) = (vec![0f32; n * UNIT_ROWS], vec![0f32; n * UNIT_ROWS]);
         let half = d.hd / 2;
         let (mut cos, mut sin) = (vec![0f32; n * half], vec![0f32; n * half]);
         for (s, (cos, sin)) in steps
@@ -559,20 +582,22 @@ impl LlamaRunner {
         {
             math::rope_angles(&self.freqs, s.plan.pos, cos, sin);
         }
-        // This member's rows of `[M_0; M_1; ...] x_b` for every request's `x_b` (each
-        // `cols` long), published in `shared` and, after the barrier, the whole product of
-        // every request loaded into `out` (request after request).
-        let mut product = |ms: &[Mat<'_>], x: &[f32], shared: &math::SharedVec, out: &mut [f32]| {
+        // `[M_0; M_1; ...] x_b` for every request's `x_b` (each `cols` long): the runs of
+        // rows this member takes, published in `out` (request after request); after the
+        // barrier every member may load any of it.
+        let mut product = |ms: &[Mat<'_>], x: &[f32], out: &math::SharedVec| {
             let total = out.len() / n;
-            let r = m.share(total);
-            let k = r.len();
-            let p = &mut part[..n * k];
-            quant::matvec_multi_stacked(ms, &vectors(x, x.len() / n), r.clone(), p);
-            for b in 0..n {
-                shared.store(b * total + r.start, &p[b * k..(b + 1) * k]);
+            let xs = quant::Inputs::new(vectors(x, x.len() / n));
+            for u in m.units(total.div_ceil(UNIT_ROWS)) {
+                let r = u * UNIT_ROWS..((u + 1) * UNIT_ROWS).min(total);
+                let k = r.len();
+                let p = &mut part[..n * k];
+                quant::matvec_multi_stacked(ms, &xs, r.clone(), p);
+                for b in 0..n {
+                    out.store(b * total + r.start, &p[b * k..(b + 1) * k]);
+                }
             }
             m.sync();
-            shared.load(0, out);
         };
         for l in 0..c.layers {
             let lw = &self.w.layers[l];
@@ -580,86 +605,92 @@ impl LlamaRunner {
             for (x, h) in x.chunks_exact(d.hidden).zip(h.chunks_exact_mut(d.hidden)) {
                 math::rms_norm(x, &lw.attn_norm, c.rms_eps, h);
             }
-            product(&[wq, wk, wv], &h, s_qkv, &mut qkv);
-            for (b, s) in steps.iter().enumerate() {
-                let qkv = &mut qkv[b * qkv_rows..(b + 1) * qkv_rows];
+            product(&[wq, wk, wv], &h, &shared.qkv);
+            // Attention of request `b`, query heads `heads`: its Q, K and V loaded, rotated
+            // and rounded, the K/V kept (`keep`), the heads' result published in `att`.
+            let mut attend = |b: usize, heads: Range<usize>, keep: bool| {
+                let s = &steps[b];
+                shared.qkv.load(b * qkv_rows, &mut qkv);
                 let (cos, sin) = (
                     &cos[b * half..(b + 1) * half],
                     &sin[b * half..(b + 1) * half],
                 );
                 let (q, kv) = qkv.split_at_mut(d.q());
-                let cur = if s.plan.fresh {
+                if s.plan.fresh {
                     let (k, v) = kv.split_at_mut(d.kv());
                     for head in k.chunks_exact_mut(d.hd) {
                         math::rope_head(head, cos, sin);
                     }
                     math::round_to(self.g.dtype, k);
                     math::round_to(self.g.dtype, v);
-                    if let Some(dst) = new_kv[b].get_mut(l * 2 * d.kv()..(l + 1) * 2 * d.kv()) {
-                        dst.copy_from_slice(kv);
+                    if keep {
+                        let at = (b * c.layers + l) * layer_kv;
+                        shared.new_kv.store(at, kv);
                     }
-                    let (k, v) = kv.split_at(d.kv());
-                    Some((k, v))
-                } else {
-                    None
-                };
+                }
+                let span = heads.start * d.hd..heads.end * d.hd;
+                let q = &mut q[span.clone()];
                 for head in q.chunks_exact_mut(d.hd) {
                     math::rope_head(head, cos, sin);
                 }
-                // This member's query heads of request `b`: all of them for its share of
-                // the requests when there are as many requests as members (each request's
-                // pages are then read by one member only), else its share of the heads.
-                let heads = if n >= m.count() {
-                    if !m.share(n).contains(&b) {
-                        continue;
-                    }
-                    0..d.heads
-                } else {
-                    m.share(d.heads)
-                };
-                let span = heads.start * d.hd..heads.end * d.hd;
-                let att = &mut att[b * d.q()..(b + 1) * d.q()];
-                let q = &q[span.clone()];
-                self.attend(
-                    l,
-                    heads,
-                    &s.pages,
-                    s.plan.read,
-                    q,
-                    cur,
-                    &mut att[span.clone()],
-                );
-                s_att.store(b * d.q() + span.start, &att[span]);
+                let cur = s.plan.fresh.then(|| kv.split_at(d.kv()));
+                let out = &mut att[span.clone()];
+                self.attend(l, heads, &s.pages, s.plan.read, q, cur, out);
+                shared.att.store(b * d.q() + span.start, out);
+            };
+            // Whole requests when there are as many as members (a request's pages are then
+            // read by one member only), else each member its share of every request's heads.
+            if n >= m.count() {
+                for b in m.units(n) {
+                    attend(b, 0..d.heads, true);
+                }
+            } else {
+                for b in 0..n {
+                    attend(b, m.share(d.heads), m.is_first());
+                }
             }
             m.sync();
-            s_att.load(0, &mut att);
-            product(&[wo], &att, s_wo, &mut proj);
+            shared.att.load(0, &mut att);
+            product(&[wo], &att, &shared.wo);
+            shared.wo.load(0, &mut proj);
             x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
             for (x, h) in x.chunks_exact(d.hidden).zip(h.chunks_exact_mut(d.hidden)) {
                 math::rms_norm(x, &lw.ffn_norm, c.rms_eps, h);
             }
-            // Gate and up by rows, so each member has both halves of its rows of the product.
-            let r = m.share(d.ffn);
-            let k = r.len();
-            let xs = vectors(&h, d.hidden);
-            quant::matvec_multi(w_gate, &xs, r.clone(), &mut act[..n * k]);
-            quant::matvec_multi(w_up, &xs, r.clone(), &mut up[..n * k]);
-            for b in 0..n {
-                math::silu_mul(&mut act[b * k..(b + 1) * k], &up[b * k..(b + 1) * k]);
-                s_act.store(b * d.ffn + r.start, &act[b * k..(b + 1) * k]);
+            // Gate and up by the same runs of rows, so each member has both halves of the
+            // rows it takes.
+            let xs = quant::Inputs::new(vectors(&h, d.hidden));
+            for u in m.units(d.ffn.div_ceil(UNIT_ROWS)) {
+                let r = u * UNIT_ROWS..((u + 1) * UNIT_ROWS).min(d.ffn);
+                let k = r.len();
+                let (gate, up) = (&mut gate[..n * k], &mut up[..n * k]);
+                quant::matvec_multi_stacked(&[w_gate], &xs, r.clone(), gate);
+                quant::matvec_multi_stacked(&[w_up], &xs, r.clone(), up);
+                for b in 0..n {
+                    let gate = &mut gate[b * k..(b + 1) * k];
+                    math::silu_mul(gate, &up[b * k..(b + 1) * k]);
+                    shared.act.store(b * d.ffn + r.start, gate);
+                }
             }
             m.sync();
-            s_act.load(0, &mut act);
-            product(&[w_down], &act, s_down, &mut proj);
+            shared.act.load(0, &mut act);
+            product(&[w_down], &act, &shared.down);
+            shared.down.load(0, &mut proj);
             x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
         }
         for (x, h) in x.chunks_exact(d.hidden).zip(h.chunks_exact_mut(d.hidden)) {
             math::rms_norm(x, &self.w.output_norm, c.rms_eps, h);
         }
-        let r = m.share(d.vocab);
-        let mut logits = vec![0f32; n * r.len()];
-        quant::matvec_multi(self.output_mat(), &vectors(&h, d.hidden), r, &mut logits);
-        (logits, new_kv)
+        let xs = quant::Inputs::new(vectors(&h, d.hidden));
+        let output = self.output_mat();
+        m.units(d.vocab.div_ceil(VOCAB_UNIT_ROWS))
+            .map(|u| {
+                let r = u * VOCAB_UNIT_ROWS..((u + 1) * VOCAB_UNIT_ROWS).min(d.vocab);
+                let mut logits = vec![0f32; n * r.len()];
+                quant::matvec_multi_stacked(&[output], &xs, r.clone(), &mut logits);
+                (r, logits)
+            })
+            .collect()
     }
 
     /// Decode attention of layer `l` for the query heads `heads` (`q` and `out` hold theirs,
