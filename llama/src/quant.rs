@@ -1035,21 +1035,23 @@ mod speed {
             let xs: Vec<Vec<f32>> = (0..16)
                 .map(|b| (0..cols).map(|i| ((i + b) % 13) as f32 * 0.01).collect())
                 .collect();
-            let refs: Vec<&[f32]> = xs.iter().map(Vec::as_slice).collect();
-            for unit in [rows, 256, 128, 64, 32] {
-                let mut out = vec![0f32; 16 * unit];
-                let reps = 500;
-                let t = std::time::Instant::now();
-                for _ in 0..reps {
-                    let inputs = Inputs::new(refs.clone());
-                    for u in 0..rows.div_ceil(unit) {
-                        let r = u * unit..((u + 1) * unit).min(rows);
-                        let k = r.len();
-                        matvec_multi_stacked(&[Mat::Quant(&q)], &inputs, r, &mut out[..16 * k]);
+            for n in [1, 16] {
+                let refs: Vec<&[f32]> = xs[..n].iter().map(Vec::as_slice).collect();
+                for unit in [rows, 256, 128, 64] {
+                    let mut out = vec![0f32; n * unit];
+                    let reps = 500;
+                    let t = std::time::Instant::now();
+                    for _ in 0..reps {
+                        let inputs = Inputs::new(refs.clone());
+                        for u in 0..rows.div_ceil(unit) {
+                            let r = u * unit..((u + 1) * unit).min(rows);
+                            let k = r.len();
+                            matvec_multi_stacked(&[Mat::Quant(&q)], &inputs, r, &mut out[..n * k]);
+                        }
                     }
+                    let us = t.elapsed().as_secs_f64() * 1e6 / f64::from(reps);
+                    eprintln!("{rows}x{cols} x {n:>2} in units of {unit}: {us:>8.1} us");
                 }
-                let us = t.elapsed().as_secs_f64() * 1e6 / f64::from(reps);
-                eprintln!("{rows}x{cols} x 16 in units of {unit}: {us:>8.1} us");
             }
         }
     }

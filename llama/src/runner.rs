@@ -90,13 +90,30 @@ pub const CHUNK_TOKENS: usize = 256;
 /// Queries per block of the prefill attention, which bounds its score matrix.
 const QUERY_BLOCK: usize = 128;
 
-/// Rows of a layer's product a member of a decode step takes at a time
-/// ([`math::Member::units`]): four strips of the quantized kernels (a 576-row product is
-/// nine units), small enough that the members finish a product together.
+/// Rows of a layer's product a member of a decode step takes at a time after its long run
+/// ([`row_runs`], [`math::Member::units`]): four strips of the quantized kernels, small
+/// enough that the members finish a product together.
 const UNIT_ROWS: usize = 64;
 
-/// Rows of the output product a member takes at a time (the vocabulary is far longer than
-/// a layer's products: 48 units for 49152 tokens).
+/// The runs of rows a member of `members` takes of a `total`-row product, in the order they
+/// are handed out: one long run each first, together half the rows (a member reading one
+/// vector is as fast as memory streams its rows, and a long run keeps the stream going),
+/// then the rest in runs of `unit`. Alone, the member takes the product whole.
+fn row_runs(total: usize, members: usize, unit: usize) -> Vec<Range<usize>> {
+    if members <= 1 {
+        return std::iter::once(0..total).collect();
+    }
+    let long = total / (2 * members) / quant::STRIP * quant::STRIP;
+    let first = if long > unit { members } else { 0 };
+    let runs = (0..first).map(|i| i * long..(i + 1) * long);
+    let rest = (first * long..total)
+        .step_by(unit)
+        .map(|at| at..(at + unit).min(total));
+    runs.chain(rest).collect()
+}
+
+/// Rows of the output product a member takes at a time after its long run (the vocabulary
+/// is far longer than a layer's products).
 const VOCAB_UNIT_ROWS: usize = 1024;
 
 /// Errors building a [`LlamaRunner`].
@@ -572,8 +589,7 @@ impl LlamaRunner {
         let mut att = vec![0f32; n * d.q()];
         let mut proj = vec![0f32; n * d.hidden];
         let mut act = vec![0f32; n * d.ffn];
-        let mut part = vec![0f32; n * UNIT_ROWS];
-        let (mut gate, mut up) = (vec![0f32; n * UNIT_ROWS], vec![0f32; n * UNIT_ROWS]);
+        let (mut part, mut gate, mut up) = (Vec::new(), Vec::new(), Vec::new());
         let half = d.hd / 2;
         let (mut cos, mut sin) = (vec![0f32; n * half], vec![0f32; n * half]);
         for (s, (cos, sin)) in steps
@@ -588,9 +604,10 @@ impl LlamaRunner {
         let mut product = |ms: &[Mat<'_>], x: &[f32], out: &math::SharedVec| {
             let total = out.len() / n;
             let xs = quant::Inputs::new(vectors(x, x.len() / n));
-            for u in m.units(total.div_ceil(UNIT_ROWS)) {
-                let r = u * UNIT_ROWS..((u + 1) * UNIT_ROWS).min(total);
+            let runs = row_runs(total, m.count(), UNIT_ROWS);
+            for r in m.units(runs.len()).map(|u| runs[u].clone()) {
                 let k = r.len();
+                part.resize(part.len().max(n * k), 0.0);
                 let p = &mut part[..n * k];
                 quant::matvec_multi_stacked(ms, &xs, r.clone(), p);
                 for b in 0..n {
@@ -660,9 +677,11 @@ impl LlamaRunner {
             // Gate and up by the same runs of rows, so each member has both halves of the
             // rows it takes.
             let xs = quant::Inputs::new(vectors(&h, d.hidden));
-            for u in m.units(d.ffn.div_ceil(UNIT_ROWS)) {
-                let r = u * UNIT_ROWS..((u + 1) * UNIT_ROWS).min(d.ffn);
+            let runs = row_runs(d.ffn, m.count(), UNIT_ROWS);
+            for r in m.units(runs.len()).map(|u| runs[u].clone()) {
                 let k = r.len();
+                gate.resize(gate.len().max(n * k), 0.0);
+                up.resize(up.len().max(n * k), 0.0);
                 let (gate, up) = (&mut gate[..n * k], &mut up[..n * k]);
                 quant::matvec_multi_stacked(&[w_gate], &xs, r.clone(), gate);
                 quant::matvec_multi_stacked(&[w_up], &xs, r.clone(), up);
@@ -683,9 +702,10 @@ impl LlamaRunner {
         }
         let xs = quant::Inputs::new(vectors(&h, d.hidden));
         let output = self.output_mat();
-        m.units(d.vocab.div_ceil(VOCAB_UNIT_ROWS))
+        let runs = row_runs(d.vocab, m.count(), VOCAB_UNIT_ROWS);
+        m.units(runs.len())
             .map(|u| {
-                let r = u * VOCAB_UNIT_ROWS..((u + 1) * VOCAB_UNIT_ROWS).min(d.vocab);
+                let r = runs[u].clone();
                 let mut logits = vec![0f32; n * r.len()];
                 quant::matvec_multi_stacked(&[output], &xs, r.clone(), &mut logits);
                 (r, logits)
@@ -1264,6 +1284,33 @@ fn validate_shapes(w: &LlamaWeights, d: &Dims) -> Result<(), RunnerError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The runs cover the rows once, in order, each starting on a strip (no strip is
+    /// computed twice), the first of each member long where the product is.
+    #[test]
+    fn row_runs_cover_a_product_once_on_strips() {
+        for members in 1..=4 {
+            for total in [1, 16, 64, 576, 960, 1536, 49152, 49155] {
+                let runs = row_runs(total, members, UNIT_ROWS);
+                let mut at = 0;
+                for r in &runs {
+                    assert_eq!(r.start, at, "{total} rows, {members} members: {runs:?}");
+                    assert!(r.start.is_multiple_of(quant::STRIP) && !r.is_empty());
+                    at = r.end;
+                }
+                assert_eq!(at, total);
+                if members == 1 {
+                    assert_eq!(runs.len(), 1);
+                } else if total >= 576 {
+                    let long = runs[..members]
+                        .iter()
+                        .map(ExactSizeIterator::len)
+                        .sum::<usize>();
+                    assert!(long * 2 <= total && long * 3 >= total, "{runs:?}");
+                }
+            }
+        }
+    }
 
     fn config() -> LlamaConfig {
         LlamaConfig {
