@@ -1019,6 +1019,19 @@ pub(crate) mod tests {
 mod speed {
     use super::*;
 
+    /// A Q4_1 matrix of `rows` x `cols` and sixteen vectors for it.
+    fn matrix_and_vectors(rows: usize, cols: usize) -> (QuantMatrix, Vec<Vec<f32>>) {
+        let mut bytes = vec![0u8; rows * cols / BLOCK * 20];
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = (i * 7 % 251).to_le_bytes()[0] & 0x3F;
+        }
+        let q = QuantMatrix::new(QuantKind::Q4_1, rows, cols, bytes).unwrap();
+        let xs = (0..16)
+            .map(|b| (0..cols).map(|i| ((i + b) % 13) as f32 * 0.01).collect())
+            .collect();
+        (q, xs)
+    }
+
     /// `cargo test --release -p llama --lib unit_speed -- --ignored --nocapture`: a product
     /// of sixteen vectors whole against the same in runs of rows, each run a call as a
     /// member of a decode step takes it (`UNIT_ROWS` in `runner.rs`): what a call costs.
@@ -1026,15 +1039,7 @@ mod speed {
     #[ignore = "a benchmark"]
     fn unit_speed() {
         for (rows, cols) in [(960, 576), (576, 1536), (1536, 576)] {
-            let blocks = rows * cols / BLOCK;
-            let mut bytes = vec![0u8; blocks * 20];
-            for (i, b) in bytes.iter_mut().enumerate() {
-                *b = (i * 7 % 251).to_le_bytes()[0] & 0x3F;
-            }
-            let q = QuantMatrix::new(QuantKind::Q4_1, rows, cols, bytes).unwrap();
-            let xs: Vec<Vec<f32>> = (0..16)
-                .map(|b| (0..cols).map(|i| ((i + b) % 13) as f32 * 0.01).collect())
-                .collect();
+            let (q, xs) = matrix_and_vectors(rows, cols);
             for n in [1, 16] {
                 let refs: Vec<&[f32]> = xs[..n].iter().map(Vec::as_slice).collect();
                 for unit in [rows, 256, 128, 64] {
@@ -1062,15 +1067,7 @@ mod speed {
     #[ignore = "a benchmark"]
     fn kernel_speed() {
         for (rows, cols) in [(1536, 576), (576, 1536), (4096, 576)] {
-            let blocks = rows * cols / BLOCK;
-            let mut bytes = vec![0u8; blocks * 20];
-            for (i, b) in bytes.iter_mut().enumerate() {
-                *b = (i * 7 % 251).to_le_bytes()[0] & 0x3F;
-            }
-            let q = QuantMatrix::new(QuantKind::Q4_1, rows, cols, bytes).unwrap();
-            let xs: Vec<Vec<f32>> = (0..16)
-                .map(|b| (0..cols).map(|i| ((i + b) % 13) as f32 * 0.01).collect())
-                .collect();
+            let (q, xs) = matrix_and_vectors(rows, cols);
             for n in [1, 2, 4, 8, 16] {
                 let refs: Vec<&[f32]> = xs[..n].iter().map(Vec::as_slice).collect();
                 let mut out = vec![0f32; n * rows];
